@@ -1,0 +1,56 @@
+"""Development sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``.
+
+Sessions install torch 2.13.0; on a CPU-only machine pip finds the CPU
+build when one is offered locally (as on our CI), else it downloads it.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.default_venv_backend = "venv"
+
+TORCH = "torch==2.13.0"
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite on every usable device (the host backend always)."""
+    session.install(TORCH)
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint rules and formatting."""
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on the library."""
+    session.install(TORCH)
+    session.install("-e", ".", "mypy==2.4.1")
+    session.run("mypy")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: grow, sleep and wake a buffer on the best device."""
+    session.install(TORCH)
+    session.install("-e", ".")
+    session.run("python", "examples/grow_sleep_wake.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The core benchmark on the best device; JSON into bench-results/."""
+    session.install(TORCH)
+    session.install("-e", ".")
+    session.run(
+        "python", "benchmarks/bench_core.py", "--json", "bench-results/core.json", *session.posargs
+    )

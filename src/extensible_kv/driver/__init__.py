@@ -1,0 +1,35 @@
+"""Virtual memory drivers: one protocol, a backend per device kind, and adaptors.
+
+Only this package talks to a driver; everything above it speaks the
+:class:`Driver` protocol in bytes and integer handles.
+"""
+
+from extensible_kv.driver.adaptors import (
+    CallStats,
+    DriverAdaptor,
+    FaultInjectingDriver,
+    LiveUsage,
+    StatisticsDriver,
+)
+from extensible_kv.driver.errors import BackendUnavailableError, DriverError, OutOfMemoryError
+from extensible_kv.driver.host import HostDriver
+from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
+from extensible_kv.driver.select import DeviceSpec, get_driver, parse_device, unavailable_reason
+
+__all__ = [
+    "DRIVER_CALLS",
+    "BackendUnavailableError",
+    "CallStats",
+    "DeviceSpec",
+    "Driver",
+    "DriverAdaptor",
+    "DriverError",
+    "FaultInjectingDriver",
+    "HostDriver",
+    "LiveUsage",
+    "OutOfMemoryError",
+    "StatisticsDriver",
+    "get_driver",
+    "parse_device",
+    "unavailable_reason",
+]

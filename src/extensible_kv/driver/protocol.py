@@ -1,0 +1,99 @@
+"""The calls every virtual-memory backend provides: bytes, integer handles, no torch."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+#: The calls of the protocol, by name: adaptors and tests use it to cover them all.
+DRIVER_CALLS: tuple[str, ...] = (
+    "ensure_context",
+    "granularity",
+    "reserve",
+    "create",
+    "map",
+    "set_access",
+    "synchronize",
+    "unmap",
+    "release",
+    "free_reserved",
+    "export_handle",
+    "import_handle",
+)
+
+
+@runtime_checkable
+class Driver(Protocol):
+    """Virtual memory management for one kind of device.
+
+    Sizes and pointers are in bytes; ``device`` is the device ordinal. A
+    handle is an opaque integer naming one physical allocation. Rules every
+    backend enforces, following the CUDA driver:
+
+    * ``create`` sizes and ``map`` pointers and sizes are multiples of
+      ``granularity(device, shareable)``;
+    * ``map`` binds one whole handle onto reserved, unmapped addresses and
+      grants no access: ``set_access`` must follow before the memory is used;
+      one ``set_access`` may span several adjacent mappings;
+    * ``unmap`` covers whole mappings only;
+    * ``release`` may be called while the handle is mapped: the memory goes
+      back when its last mapping and its last handle are gone;
+    * ``free_reserved`` requires the range to hold no mapping.
+
+    Failures raise :class:`~extensible_kv.driver.DriverError`, and
+    :class:`~extensible_kv.driver.OutOfMemoryError` when memory or address
+    space runs out. A failed call changes nothing.
+    """
+
+    #: DLPack device type of the memory: 1 (CPU), 2 (CUDA) or 10 (ROCm).
+    dlpack_device_type: int
+    #: True when ``create`` hands out zero-filled memory (host: fresh pages);
+    #: callers then need not zero what they newly commit.
+    zeroes_new_memory: bool
+
+    def granularity(self, device: int, shareable: bool) -> int:
+        """Minimum mapping unit, in bytes, for that kind of allocation."""
+        ...
+
+    def reserve(self, size: int) -> int:
+        """Reserve ``size`` bytes of virtual addresses, granularity-aligned; no memory."""
+        ...
+
+    def free_reserved(self, ptr: int, size: int) -> None:
+        """Return a reservation made by ``reserve``."""
+        ...
+
+    def create(self, size: int, device: int, shareable: bool) -> int:
+        """Allocate ``size`` bytes of physical memory; returns its handle."""
+        ...
+
+    def release(self, handle: int) -> None:
+        """Drop a handle from ``create`` or ``import_handle``."""
+        ...
+
+    def map(self, ptr: int, size: int, handle: int) -> None:
+        """Bind the whole allocation ``handle`` (of ``size`` bytes) at ``ptr``."""
+        ...
+
+    def unmap(self, ptr: int, size: int) -> None:
+        """Unbind the mappings covering exactly ``[ptr, ptr + size)``."""
+        ...
+
+    def set_access(self, ptr: int, size: int, device: int) -> None:
+        """Grant ``device`` read-write access to mapped ``[ptr, ptr + size)``."""
+        ...
+
+    def synchronize(self, device: int) -> None:
+        """Wait until no work queued on ``device`` can still touch its memory."""
+        ...
+
+    def export_handle(self, handle: int) -> int:
+        """A new file descriptor for a shareable handle; the caller owns it."""
+        ...
+
+    def import_handle(self, fd: int) -> int:
+        """A handle for the memory behind ``fd``; ``fd`` stays the caller's."""
+        ...
+
+    def ensure_context(self, device: int) -> None:
+        """Make a driver context for ``device`` current on this thread."""
+        ...

@@ -1,0 +1,94 @@
+"""Which backend serves a device, and why one cannot."""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from extensible_kv.driver.errors import BackendUnavailableError, DriverError
+from extensible_kv.driver.host import HostDriver
+from extensible_kv.driver.protocol import Driver
+
+_DEVICE_TYPES = ("cpu", "cuda")
+_DEVICE_RE = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device as the drivers see it: its type and ordinal (None: current)."""
+
+    type: str
+    index: int | None
+
+
+def parse_device(device: object) -> DeviceSpec:
+    """Read ``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int (a CUDA ordinal) or a
+    ``torch.device``; raise :class:`ValueError` naming the supported types."""
+    if isinstance(device, bool):
+        raise ValueError(f"device must be a torch.device, str or int, got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device ordinal must be non-negative, got {device}")
+        return DeviceSpec("cuda", device)
+    if isinstance(device, str):
+        match = _DEVICE_RE.match(device)
+        if match is None:
+            raise ValueError(f"cannot read device {device!r}; use 'cpu' or 'cuda:N'")
+        kind, index = match["type"], match["index"]
+        spec = DeviceSpec(kind, None if index is None else int(index))
+    elif hasattr(device, "type") and hasattr(device, "index"):
+        spec = DeviceSpec(str(device.type), device.index)
+    else:
+        raise ValueError(f"device must be a torch.device, str or int, got {device!r}")
+    if spec.type not in _DEVICE_TYPES:
+        raise ValueError(
+            f"device type {spec.type!r} is not supported; use 'cpu' (host "
+            f"virtual memory) or 'cuda' (GPU virtual memory)"
+        )
+    if spec.type == "cpu" and spec.index not in (None, 0):
+        raise ValueError(f"the host has one device, cpu:0; got cpu:{spec.index}")
+    return DeviceSpec("cpu", 0) if spec.type == "cpu" else spec
+
+
+@functools.cache
+def _host_driver() -> HostDriver:
+    return HostDriver()
+
+
+def get_driver(device: object) -> Driver:
+    """The shared driver for ``device``'s type; raises
+    :class:`BackendUnavailableError` saying why when there is none."""
+    spec = parse_device(device)
+    reason = unavailable_reason(spec)
+    if reason is not None:
+        raise BackendUnavailableError(f"no virtual memory backend for {spec.type}: {reason}")
+    if spec.type == "cpu":
+        return _host_driver()
+    raise AssertionError(f"unreachable: {spec.type} has no reason and no driver")
+
+
+def unavailable_reason(device: object = "cuda") -> str | None:
+    """Why virtual memory management cannot be used on ``device``, or None.
+
+    Probes once per device (driver loads, granularity, reserve and free) and
+    never raises: an unreadable device is itself a reason.
+    """
+    try:
+        spec = parse_device(device)
+    except ValueError as exc:
+        return str(exc)
+    return _probe(spec.type, spec.index)
+
+
+@functools.cache
+def _probe(kind: str, index: int | None) -> str | None:
+    if kind != "cpu":
+        return "this version of extensible-kv has no GPU backend yet"
+    try:
+        driver = _host_driver()
+        size = driver.granularity(0, False)
+        driver.free_reserved(driver.reserve(size), size)
+    except (DriverError, OSError) as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,317 @@
+"""ExtensibleTensor: a segmented byte buffer that grows in place.
+
+API-compatible with vLLM's in-tree ``ExtensibleTensor``, so an engine can
+swap its module for an import, plus ``shrink_per_segment_``, DLPack export,
+host (CPU) memory, and pluggable drivers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from extensible_kv._checks import check_int
+from extensible_kv.buffer import VirtualBuffer
+from extensible_kv.dlpack import ByteView, as_tensor
+from extensible_kv.driver import Driver, get_driver, parse_device
+
+_DLPACK_TYPES = {"cpu": (1,), "cuda": (2, 10)}
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve(
+    device: torch.device | str | int | None, driver: Driver | None
+) -> tuple[torch.device, Driver]:
+    """The concrete device (with its ordinal) and the driver serving it."""
+    spec = parse_device(_default_device() if device is None else device)
+    if driver is None:
+        driver = get_driver(spec)
+    elif driver.dlpack_device_type not in _DLPACK_TYPES[spec.type]:
+        raise ValueError(
+            f"driver {driver!r} serves DLPack device type {driver.dlpack_device_type}, "
+            f"which is not a {spec.type} device"
+        )
+    if spec.type == "cpu":
+        return torch.device("cpu"), driver
+    index = torch.cuda.current_device() if spec.index is None else spec.index
+    return torch.device("cuda", index), driver
+
+
+class ExtensibleTensor:
+    """A 1-D byte buffer of ``max_num_bytes`` whose base pointer never moves.
+
+    The buffer is ``num_segments`` equal segments that grow in lockstep;
+    segment ``i`` spans ``[i * segment_capacity_bytes, (i + 1) *
+    segment_capacity_bytes)`` of :meth:`full_view`, and its committed bytes
+    are always a prefix of it (``bytes_per_segment`` of them). A K/V-split
+    KV cache has 2 segments. Committed bytes are backed by physical memory;
+    the rest of the range is reserved addresses only: touching it faults.
+
+    Args:
+        max_num_bytes: size of the full view in bytes; divisible by ``num_segments``.
+        device: ``"cpu"`` (host virtual memory), ``"cuda"``/``"cuda:N"``, an
+            int (CUDA ordinal) or a ``torch.device``. None: the current CUDA
+            device if there is one, else the host.
+        num_segments: number of equal segments.
+        shareable: allocate memory exportable to other processes.
+        driver: the driver to use (e.g. wrapped in an adaptor); by default the
+            shared driver for ``device``.
+        chunk_bytes: largest physical chunk one commit maps; a multiple of the
+            granularity. None: one chunk per run of new granules.
+    """
+
+    def __init__(
+        self,
+        max_num_bytes: int,
+        device: torch.device | str | int | None = None,
+        num_segments: int = 1,
+        shareable: bool = False,
+        *,
+        driver: Driver | None = None,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        check_int("max_num_bytes", max_num_bytes)
+        check_int("num_segments", num_segments)
+        if max_num_bytes < 0:
+            raise ValueError(f"max_num_bytes must be non-negative, got {max_num_bytes}")
+        if num_segments < 1:
+            raise ValueError(f"num_segments must be positive, got {num_segments}")
+        if max_num_bytes % num_segments:
+            raise ValueError(
+                f"max_num_bytes ({max_num_bytes}) must be divisible by "
+                f"num_segments ({num_segments})"
+            )
+        self._device, driver = _resolve(device, driver)
+        self._max_num_bytes = max_num_bytes
+        self._num_segments = num_segments
+        self._segment_capacity_bytes = max_num_bytes // num_segments
+        self._buffer = VirtualBuffer(
+            max_num_bytes,
+            driver,
+            self._device.index or 0,
+            shareable=shareable,
+            chunk_bytes=chunk_bytes,
+        )
+        self._bytes_per_segment = 0
+        self._full: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"ExtensibleTensor(max_num_bytes={self._max_num_bytes}, "
+            f"num_segments={self._num_segments}, bytes_per_segment="
+            f"{self._bytes_per_segment}, physical_bytes={self.physical_bytes}, "
+            f"device={self._device})"
+        )
+
+    # -- views ----------------------------------------------------------------
+
+    def _check_alive(self, what: str) -> None:
+        if self._buffer.freed:
+            raise ValueError(f"ExtensibleTensor has been freed; {what} is no longer possible")
+
+    def _check_single_segment(self, what: str, instead: str) -> None:
+        if self._num_segments != 1:
+            raise ValueError(
+                f"{what} is a single committed prefix, only valid for num_segments=1 "
+                f"(this buffer has {self._num_segments}); use {instead}"
+            )
+
+    def _full_view(self) -> torch.Tensor:
+        # One DLPack view, made once; every view handed out slices it.
+        if self._full is None:
+            self._full = as_tensor(self._buffer, 0, self._max_num_bytes)
+        return self._full
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """A uint8 view of the committed prefix (single-segment buffers)."""
+        self._check_single_segment("tensor", "full_view() and index the segments")
+        self._check_alive("a view")
+        return self._full_view()[: self._bytes_per_segment]
+
+    def full_view(self) -> torch.Tensor:
+        """A uint8 view of all ``max_num_bytes``; touch only committed bytes."""
+        self._check_alive("a view")
+        return self._full_view()[:]
+
+    # -- growth ---------------------------------------------------------------
+
+    def _segment_ranges(self, start: int, end: int) -> list[tuple[int, int]]:
+        """``[start, end)`` of every segment, as ``(offset, size)`` of the full view."""
+        cap = self._segment_capacity_bytes
+        return [(i * cap + start, end - start) for i in range(self._num_segments)]
+
+    def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> None:
+        """Grow every segment's committed prefix to ``bytes_per_segment`` bytes.
+
+        Existing bytes are kept and the base pointer does not move. With
+        ``zero_new`` the newly committed bytes read as zero. Grow-only: use
+        :meth:`shrink_per_segment_` to give memory back. All segments grow or
+        none does.
+        """
+        self._check_alive("resize_per_segment_")
+        check_int("bytes_per_segment", bytes_per_segment)
+        old = self._bytes_per_segment
+        if bytes_per_segment < 0:
+            raise ValueError(f"bytes_per_segment must be non-negative, got {bytes_per_segment}")
+        if bytes_per_segment < old:
+            raise ValueError(
+                f"ExtensibleTensor is grow-only: cannot resize from {old} to "
+                f"{bytes_per_segment} bytes per segment; use shrink_per_segment_ "
+                f"to give memory back"
+            )
+        if bytes_per_segment > self._segment_capacity_bytes:
+            raise ValueError(
+                f"Requested {bytes_per_segment} bytes per segment exceeds the "
+                f"segment capacity {self._segment_capacity_bytes}"
+            )
+        if bytes_per_segment == old:
+            return
+        ranges = self._segment_ranges(old, bytes_per_segment)
+        if zero_new and self._buffer.driver.zeroes_new_memory:
+            # Fresh memory arrives zeroed: only granules mapped before this
+            # commit (shared with a neighbour, kept by a shrink) can hold old bytes.
+            to_zero = [part for r in ranges for part in self._buffer.mapped_in(*r)]
+        else:
+            to_zero = ranges if zero_new else []
+        self._buffer.commit(ranges)
+        self._bytes_per_segment = bytes_per_segment
+        full = self._full_view()
+        for offset, size in to_zero:
+            full[offset : offset + size].zero_()
+
+    def resize_(self, num_bytes: int) -> torch.Tensor:
+        """Grow the committed prefix to ``num_bytes``; returns :attr:`tensor`."""
+        self._check_single_segment("resize_", "resize_per_segment_")
+        self.resize_per_segment_(num_bytes)
+        return self.tensor
+
+    def append(self, num_bytes: int) -> torch.Tensor:
+        """Grow the committed prefix by ``num_bytes``; returns :attr:`tensor`."""
+        self._check_single_segment("append", "resize_per_segment_")
+        check_int("num_bytes", num_bytes)
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes to append must be non-negative, got {num_bytes}")
+        return self.resize_(self._bytes_per_segment + num_bytes)
+
+    # -- giving memory back ---------------------------------------------------
+
+    def shrink_per_segment_(self, bytes_per_segment: int) -> int:
+        """Cut every segment's committed prefix to ``bytes_per_segment`` bytes.
+
+        Chunks holding no committed byte are returned to the driver; a chunk
+        straddling the new end stays whole and shows in :attr:`physical_bytes`.
+        Returns the physical bytes released.
+        """
+        self._check_alive("shrink_per_segment_")
+        check_int("bytes_per_segment", bytes_per_segment)
+        old = self._bytes_per_segment
+        if bytes_per_segment < 0:
+            raise ValueError(f"bytes_per_segment must be non-negative, got {bytes_per_segment}")
+        if bytes_per_segment > old:
+            raise ValueError(
+                f"shrink_per_segment_ cannot grow from {old} to {bytes_per_segment} "
+                f"bytes per segment; use resize_per_segment_"
+            )
+        physical = self._buffer.physical_bytes
+        try:
+            released = self._buffer.release_outside(self._segment_ranges(0, bytes_per_segment))
+        except BaseException:
+            # The unmapping is all or nothing; a failure after it (releasing
+            # handles, retried later) still leaves the prefix cut.
+            if self._buffer.physical_bytes < physical:
+                self._bytes_per_segment = bytes_per_segment
+            raise
+        self._bytes_per_segment = bytes_per_segment
+        return released
+
+    def release_physical(self) -> None:
+        """Release all physical memory, keeping the address range and views.
+
+        Views must not be touched until memory is committed again; the data
+        is discarded and :attr:`num_bytes` drops to 0.
+        """
+        self._check_alive("release_physical")
+        try:
+            self._buffer.release_physical()
+        finally:
+            if self._buffer.physical_bytes == 0:
+                self._bytes_per_segment = 0
+
+    def free(self) -> None:
+        """Release the memory now and the address range once no view is left.
+
+        Idempotent. Views made earlier stay valid as pointers (the range stays
+        reserved for them) but must not be touched.
+        """
+        self._full = None
+        try:
+            self._buffer.free()
+        finally:
+            if self._buffer.physical_bytes == 0:
+                self._bytes_per_segment = 0
+
+    # -- properties -----------------------------------------------------------
+
+    @property
+    def num_bytes(self) -> int:
+        """Committed bytes, summed over all segments."""
+        return self._bytes_per_segment * self._num_segments
+
+    @property
+    def bytes_per_segment(self) -> int:
+        """Committed prefix of each segment, in bytes."""
+        return self._bytes_per_segment
+
+    @property
+    def num_segments(self) -> int:
+        return self._num_segments
+
+    @property
+    def segment_capacity_bytes(self) -> int:
+        """Largest prefix of one segment: ``max_num_bytes / num_segments``."""
+        return self._segment_capacity_bytes
+
+    @property
+    def max_num_bytes(self) -> int:
+        return self._max_num_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of address space reserved (``max_num_bytes`` rounded up to granules)."""
+        return self._buffer.size
+
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes of physical memory mapped: a whole number of granules."""
+        return self._buffer.physical_bytes
+
+    @property
+    def base_ptr(self) -> int:
+        """Address of byte 0; constant until :meth:`free`, then 0."""
+        return 0 if self._buffer.freed else self._buffer.base_ptr
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def buffer(self) -> VirtualBuffer:
+        """The virtual buffer underneath (owned by this tensor)."""
+        return self._buffer
+
+    # -- DLPack ---------------------------------------------------------------
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """A DLPack capsule over the full view (see :class:`ByteView`)."""
+        self._check_alive("a view")
+        return ByteView(self._buffer, 0, self._max_num_bytes).__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (self._buffer.driver.dlpack_device_type, self._buffer.device)

@@ -1,0 +1,278 @@
+"""The host backend follows the driver rules with real Linux memory."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from extensible_kv.driver import DriverError, HostDriver, OutOfMemoryError
+
+MiB = 1 << 20
+G = 2 * MiB
+
+
+@pytest.fixture
+def driver() -> HostDriver:
+    return HostDriver()
+
+
+@pytest.fixture
+def reservation(driver: HostDriver) -> Iterator[int]:
+    ptr = driver.reserve(8 * G)
+    yield ptr
+    for start in list(driver._mappings):
+        driver.unmap(start, driver._mappings[start].size)
+    for handle in list(driver._handles):
+        driver.release(handle)
+    driver.free_reserved(ptr, 8 * G)
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Rss line")
+
+
+def run_python(code: str, *, pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        pass_fds=pass_fds,
+        timeout=120,
+    )
+
+
+def test_reservations_are_aligned_and_granular(driver: HostDriver) -> None:
+    assert driver.granularity(0, False) == G
+    assert driver.granularity(0, True) == G
+    ptr = driver.reserve(3 * G)
+    assert ptr % G == 0
+    driver.free_reserved(ptr, 3 * G)
+    with pytest.raises(DriverError, match="multiple of the granularity") as info:
+        driver.reserve(G + 1)
+    assert info.value.code == errno.EINVAL
+    assert info.value.name == "EINVAL"
+
+
+def test_custom_granularity_must_be_a_power_of_two_page_multiple() -> None:
+    assert HostDriver(granularity=64 * 1024).granularity(0, False) == 64 * 1024
+    for bad in (0, 4096 * 3, 1000):
+        with pytest.raises(ValueError, match="power of two"):
+            HostDriver(granularity=bad)
+
+
+def test_only_device_zero_exists(driver: HostDriver) -> None:
+    with pytest.raises(DriverError, match="one device"):
+        driver.create(G, 1, False)
+
+
+def test_private_memory_keeps_its_bytes_across_unmap_and_remap(
+    driver: HostDriver, reservation: int
+) -> None:
+    handle = driver.create(2 * G, 0, False)
+    driver.map(reservation, 2 * G, handle)
+    driver.set_access(reservation, 2 * G, 0)
+    assert ctypes.string_at(reservation, 2 * G) == bytes(2 * G)
+    ctypes.memset(reservation + G - 2, 0xAB, 4)
+    driver.unmap(reservation, 2 * G)
+    driver.map(reservation + 4 * G, 2 * G, handle)
+    driver.set_access(reservation + 4 * G, 2 * G, 0)
+    assert ctypes.string_at(reservation + 4 * G + G - 2, 4) == b"\xab" * 4
+
+
+def test_shareable_memory_maps_twice_and_exports_to_another_process(
+    driver: HostDriver, reservation: int
+) -> None:
+    handle = driver.create(G, 0, True)
+    driver.map(reservation, G, handle)
+    driver.map(reservation + 2 * G, G, handle)
+    driver.set_access(reservation, G, 0)
+    driver.set_access(reservation + 2 * G, G, 0)
+    ctypes.memset(reservation + 5, 7, 1)
+    assert ctypes.string_at(reservation + 2 * G + 5, 1) == b"\x07"
+    fd = driver.export_handle(handle)
+    try:
+        child = run_python(
+            f"""
+            import ctypes
+            from extensible_kv.driver import HostDriver
+            d = HostDriver()
+            ptr = d.reserve({G})
+            h = d.import_handle({fd})
+            d.map(ptr, {G}, h)
+            d.set_access(ptr, {G}, 0)
+            assert ctypes.string_at(ptr + 5, 1) == b"\\x07"
+            ctypes.memset(ptr + 6, 9, 1)
+            """,
+            pass_fds=(fd,),
+        )
+    finally:
+        os.close(fd)
+    assert child.returncode == 0, child.stderr
+    assert ctypes.string_at(reservation + 6, 1) == b"\x09"
+
+
+def test_private_memory_cannot_be_exported(driver: HostDriver) -> None:
+    handle = driver.create(G, 0, False)
+    with pytest.raises(DriverError, match="not shareable"):
+        driver.export_handle(handle)
+    driver.release(handle)
+
+
+def test_released_while_mapped_lives_until_unmapped(driver: HostDriver, reservation: int) -> None:
+    for shareable in (False, True):
+        handle = driver.create(G, 0, shareable)
+        driver.map(reservation, G, handle)
+        driver.set_access(reservation, G, 0)
+        ctypes.memset(reservation, 3, 16)
+        driver.release(handle)
+        assert ctypes.string_at(reservation, 16) == b"\x03" * 16
+        driver.unmap(reservation, G)
+        with pytest.raises(DriverError, match="no live handle"):
+            driver.release(handle)
+
+
+def test_commit_is_physically_present_and_release_returns_it(driver: HostDriver) -> None:
+    size = 64 * MiB
+    before = rss_bytes()
+    handle = driver.create(size, 0, False)
+    present = rss_bytes() - before
+    driver.release(handle)
+    returned = present - (rss_bytes() - before)
+    assert present >= 0.9 * size
+    assert returned >= 0.9 * size
+
+
+@pytest.mark.skipif(
+    "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+    reason="transparent huge pages are disabled on this kernel",
+)
+def test_private_memory_uses_huge_pages(driver: HostDriver) -> None:
+    def anon_huge() -> int:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    before = anon_huge()
+    handle = driver.create(32 * MiB, 0, False)
+    gained = anon_huge() - before
+    driver.release(handle)
+    assert gained >= 16 * MiB
+
+
+def test_populate_fallback_writes_pages_present(driver: HostDriver, reservation: int) -> None:
+    driver._populate_write = False
+    before = rss_bytes()
+    handle = driver.create(16 * MiB, 0, False)
+    assert rss_bytes() - before >= 15 * MiB
+    driver.map(reservation, 16 * MiB, handle)
+    driver.set_access(reservation, 16 * MiB, 0)
+    assert ctypes.string_at(reservation, 16 * MiB) == bytes(16 * MiB)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("map_outside", "not inside one reservation"),
+        ("map_twice_same_place", "already mapped"),
+        ("map_private_twice", "one address at a time"),
+        ("map_wrong_size", "differs from the allocation"),
+        ("unmap_part", "ends inside a mapping"),
+        ("unmap_hole", "not covered by whole mappings"),
+        ("access_unmapped", "not covered by whole mappings"),
+        ("free_mapped", "still holds mappings"),
+        ("free_unknown", "is not a reservation"),
+        ("import_bad_fd", "EBADF"),
+    ],
+)
+def test_rule_violations_are_refused(
+    driver: HostDriver, reservation: int, case: str, message: str
+) -> None:
+    handle = driver.create(2 * G, 0, False)
+    driver.map(reservation, 2 * G, handle)
+    other = driver.create(2 * G, 0, False)
+    calls = {
+        "map_outside": lambda: driver.map(reservation + 7 * G, 2 * G, other),
+        "map_twice_same_place": lambda: driver.map(reservation + G, 2 * G, other),
+        "map_private_twice": lambda: driver.map(reservation + 4 * G, 2 * G, handle),
+        "map_wrong_size": lambda: driver.map(reservation + 4 * G, G, other),
+        "unmap_part": lambda: driver.unmap(reservation, G),
+        "unmap_hole": lambda: driver.unmap(reservation, 4 * G),
+        "access_unmapped": lambda: driver.set_access(reservation + 2 * G, G, 0),
+        "free_mapped": lambda: driver.free_reserved(reservation, 8 * G),
+        "free_unknown": lambda: driver.free_reserved(reservation + G, G),
+        "import_bad_fd": lambda: driver.import_handle(10_000),
+    }
+    state = (dict(driver._mappings), dict(driver._handles), dict(driver._reservations))
+    with pytest.raises(DriverError, match=message):
+        calls[case]()
+    assert state == (dict(driver._mappings), dict(driver._handles), dict(driver._reservations))
+
+
+@pytest.mark.parametrize("step", ["before_set_access", "after_unmap", "reserved_only"])
+def test_touching_memory_without_access_faults(step: str) -> None:
+    """As on a GPU, only mapped memory with access granted may be touched."""
+    setup = {
+        "before_set_access": "d.map(p, G, d.create(G, 0, False))",
+        "after_unmap": (
+            "h = d.create(G, 0, False); d.map(p, G, h); d.set_access(p, G, 0);"
+            " ctypes.memset(p, 1, 1); d.unmap(p, G)"
+        ),
+        "reserved_only": "pass",
+    }[step]
+    child = run_python(
+        f"""
+        import ctypes
+        from extensible_kv.driver import HostDriver
+        G = {G}
+        d = HostDriver()
+        p = d.reserve(G)
+        {setup}
+        print("touching", flush=True)
+        ctypes.memset(p, 1, 1)
+        """
+    )
+    assert "touching" in child.stdout, child.stderr
+    assert child.returncode == -signal.SIGSEGV
+
+
+def test_out_of_memory_is_a_torch_out_of_memory_error_and_changes_nothing() -> None:
+    """A real ENOMEM: the address-space limit leaves no room for the pages."""
+    child = run_python(
+        f"""
+        import resource
+        import torch
+        from extensible_kv.driver import HostDriver, OutOfMemoryError
+        d = HostDriver()
+        vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+                  if l.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + {16 * MiB}, resource.RLIM_INFINITY))
+        try:
+            d.create({64 * MiB}, 0, False)
+        except OutOfMemoryError as exc:
+            assert isinstance(exc, torch.OutOfMemoryError)
+            assert exc.name == "ENOMEM" and exc.call == "create", exc
+            assert d._handles == {{}}
+            print("oom", exc)
+        """
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.startswith("oom create failed with ENOMEM")
+
+
+def test_out_of_memory_error_is_torch_out_of_memory() -> None:
+    assert issubclass(OutOfMemoryError, torch.OutOfMemoryError)
+    assert issubclass(OutOfMemoryError, DriverError)

@@ -1,0 +1,237 @@
+"""A Hypothesis state machine drives ExtensibleTensor against a byte-level model.
+
+After every step it checks DESIGN.md section 7:
+
+1. ``base_ptr`` is constant from construction to ``free()``;
+2. each segment's committed bytes are a prefix, and all of it is backed;
+3. committed data survives every grow (and every shrink, for the kept prefix);
+5. ``physical_bytes`` is granularity x mapped granules; mapped granules are
+   those covering committed bytes, plus whole chunks a shrink could not split;
+6. after ``free()`` and the last view, the driver holds nothing of ours; after
+   a release, no handle;
+8. the address range outlives every view.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from extensible_kv import ExtensibleTensor, StatisticsDriver
+from extensible_kv.driver import LiveUsage, get_driver
+
+
+class SegmentModel:
+    """What one segment's committed prefix must hold; unknown bytes unchecked."""
+
+    def __init__(self) -> None:
+        self.data = np.zeros(0, dtype=np.uint8)
+        self.known = np.zeros(0, dtype=bool)
+
+    def grow(self, size: int, zeroed: bool) -> None:
+        extra = size - len(self.data)
+        self.data = np.concatenate([self.data, np.zeros(extra, dtype=np.uint8)])
+        self.known = np.concatenate([self.known, np.full(extra, zeroed)])
+
+    def cut(self, size: int) -> None:
+        self.data = self.data[:size]
+        self.known = self.known[:size]
+
+
+def make_machine(device: str) -> type[RuleBasedStateMachine]:
+    granularity = get_driver(device).granularity(0, False)
+
+    class TensorMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stats = StatisticsDriver(get_driver(device))
+            self.et: ExtensibleTensor | None = None
+            self.views: list[torch.Tensor] = []
+
+        @precondition(lambda self: self.et is None or (self.freed and not self.views))
+        @rule(
+            num_segments=st.integers(1, 3),
+            granules=st.integers(1, 3),
+            extra=st.sampled_from([0, 1, 4096, granularity // 2 + 3]),
+            chunked=st.booleans(),
+        )
+        def create(self, num_segments: int, granules: int, extra: int, chunked: bool) -> None:
+            cap = granules * granularity + extra
+            self.et = ExtensibleTensor(
+                cap * num_segments,
+                device,
+                num_segments=num_segments,
+                driver=self.stats,
+                chunk_bytes=granularity if chunked else None,
+            )
+            self.base = self.et.base_ptr
+            self.models = [SegmentModel() for _ in range(num_segments)]
+            self.freed = False
+
+        def alive(self) -> bool:
+            return self.et is not None and not self.freed
+
+        @property
+        def tensor(self) -> ExtensibleTensor:
+            assert self.et is not None
+            return self.et
+
+        def fraction_of(self, lo: int, hi: int, fraction: float) -> int:
+            return lo + round((hi - lo) * fraction)
+
+        @precondition(alive)
+        @rule(fraction=st.floats(0, 1), zero_new=st.booleans())
+        def resize_per_segment(self, fraction: float, zero_new: bool) -> None:
+            et = self.tensor
+            size = self.fraction_of(et.bytes_per_segment, et.segment_capacity_bytes, fraction)
+            et.resize_per_segment_(size, zero_new=zero_new)
+            for model in self.models:
+                model.grow(size, zero_new)
+
+        @precondition(lambda self: self.alive() and self.tensor.num_segments == 1)
+        @rule(fraction=st.floats(0, 1))
+        def resize(self, fraction: float) -> None:
+            et = self.tensor
+            size = self.fraction_of(et.num_bytes, et.segment_capacity_bytes, fraction)
+            assert et.resize_(size).shape == (size,)
+            self.models[0].grow(size, False)
+
+        @precondition(lambda self: self.alive() and self.tensor.num_segments == 1)
+        @rule(fraction=st.floats(0, 1))
+        def append(self, fraction: float) -> None:
+            et = self.tensor
+            extra = self.fraction_of(0, et.segment_capacity_bytes - et.num_bytes, fraction)
+            assert et.append(extra).shape == (et.num_bytes,)
+            self.models[0].grow(et.num_bytes, False)
+
+        @precondition(alive)
+        @rule(fraction=st.floats(0, 1))
+        def shrink(self, fraction: float) -> None:
+            et = self.tensor
+            size = self.fraction_of(0, et.bytes_per_segment, fraction)
+            released = et.shrink_per_segment_(size)
+            assert released % granularity == 0
+            for model in self.models:
+                model.cut(size)
+
+        @precondition(lambda self: self.alive() and self.tensor.bytes_per_segment > 0)
+        @rule(data=st.data(), value=st.integers(0, 255))
+        def write(self, data: st.DataObject, value: int) -> None:
+            et = self.tensor
+            segment = data.draw(st.integers(0, et.num_segments - 1))
+            start = data.draw(st.integers(0, et.bytes_per_segment - 1))
+            end = data.draw(st.integers(start + 1, et.bytes_per_segment))
+            offset = segment * et.segment_capacity_bytes
+            et.full_view()[offset + start : offset + end] = value
+            self.models[segment].data[start:end] = value
+            self.models[segment].known[start:end] = True
+
+        @precondition(alive)
+        @rule()
+        def release(self) -> None:
+            self.tensor.release_physical()
+            assert self.stats.live.handles == 0
+            for model in self.models:
+                model.cut(0)
+
+        @precondition(alive)
+        @rule(prefix=st.booleans())
+        def make_view(self, prefix: bool) -> None:
+            et = self.tensor
+            view = et.tensor if prefix and et.num_segments == 1 else et.full_view()
+            assert view.numel() == 0 or view.data_ptr() == self.base
+            self.views.append(view)
+
+        @precondition(lambda self: bool(self.views))
+        @rule(data=st.data())
+        def drop_view(self, data: st.DataObject) -> None:
+            self.views.pop(data.draw(st.integers(0, len(self.views) - 1)))
+
+        @precondition(alive)
+        @rule()
+        def free(self) -> None:
+            self.tensor.free()
+            self.freed = True
+            assert self.tensor.base_ptr == 0
+
+        # -- invariants --------------------------------------------------------
+
+        @invariant()
+        def base_pointer_is_constant(self) -> None:
+            if self.alive():
+                assert self.tensor.base_ptr == self.base
+
+        @invariant()
+        def committed_prefixes_are_backed(self) -> None:
+            if not self.alive():
+                return
+            et, buffer = self.tensor, self.tensor.buffer
+            for i in range(et.num_segments):
+                offset = i * et.segment_capacity_bytes
+                backed = sum(size for _, size in buffer.mapped_in(offset, et.bytes_per_segment))
+                assert backed == et.bytes_per_segment
+
+        @invariant()
+        def committed_data_survives(self) -> None:
+            if not self.alive() or self.tensor.num_bytes == 0:
+                return
+            et = self.tensor
+            full = et.full_view()
+            for i, model in enumerate(self.models):
+                offset = i * et.segment_capacity_bytes
+                actual = full[offset : offset + et.bytes_per_segment].cpu().numpy()
+                assert len(model.data) == et.bytes_per_segment
+                assert np.array_equal(actual[model.known], model.data[model.known])
+
+        @invariant()
+        def physical_bytes_match_the_mapped_granules(self) -> None:
+            if not self.alive():
+                return
+            et, buffer = self.tensor, self.tensor.buffer
+            chunks = buffer.chunks
+            mapped = {
+                g for c in chunks for g in range(c.offset // granularity, c.end // granularity)
+            }
+            assert et.physical_bytes == granularity * len(mapped)
+            assert et.physical_bytes == self.stats.live.mapped_bytes
+            covering = set()
+            for i in range(et.num_segments if et.bytes_per_segment else 0):
+                start = i * et.segment_capacity_bytes
+                end = start + et.bytes_per_segment
+                covering |= set(range(start // granularity, -(-end // granularity)))
+            assert covering <= mapped
+            for chunk in chunks:
+                own = set(range(chunk.offset // granularity, chunk.end // granularity))
+                assert own & covering, f"{chunk} holds no committed byte"
+
+        @invariant()
+        def nothing_leaks(self) -> None:
+            if self.et is None:
+                return
+            live = self.stats.live
+            if self.freed:
+                assert live.handles == live.mappings == 0
+                expected = 1 if self.views else 0
+                assert live.reservations == expected, "the range must outlive every view"
+            else:
+                assert live.reservations == 1
+
+        def teardown(self) -> None:
+            if self.et is not None:
+                self.et.free()
+            self.views.clear()
+            assert self.stats.live == LiveUsage()
+
+    return TensorMachine
+
+
+def test_extensible_tensor_state_machine(device: str) -> None:
+    run_state_machine_as_test(make_machine(device))
