@@ -16,9 +16,13 @@ TORCH = "torch==2.13.0"
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite on every usable device (the host backend always)."""
+    """The test suite on every usable device (the host backend always).
+
+    The GPU bindings are installed too: without a GPU they still check the
+    backends' struct building and their no-driver path.
+    """
     session.install(TORCH)
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,cuda,rocm]")
     session.run("pytest", *session.posargs)
 
 
@@ -44,6 +48,13 @@ def demo(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".")
     session.run("python", "examples/grow_sleep_wake.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The prepared check for a lent GPU machine (no downloads, no venv):
+    tests, benchmarks and a memcheck pass; see scripts/gpu_check.py."""
+    session.run("python3", "scripts/gpu_check.py", *session.posargs)
 
 
 @nox.session

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from dataclasses import dataclass
 
+import torch
+
+from extensible_kv.driver._gpu import GpuDriver
 from extensible_kv.driver.errors import BackendUnavailableError, DriverError
 from extensible_kv.driver.host import HostDriver
 from extensible_kv.driver.protocol import Driver
 
 _DEVICE_TYPES = ("cpu", "cuda")
+#: CUDA_ERROR_NO_DEVICE and hipErrorNoDevice.
+_NO_DEVICE = 100
 _DEVICE_RE = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
 
 
@@ -56,6 +62,35 @@ def _host_driver() -> HostDriver:
     return HostDriver()
 
 
+def is_rocm() -> bool:
+    """True on ROCm builds of torch, where "cuda" devices are AMD GPUs."""
+    return bool(getattr(torch.version, "hip", None))
+
+
+_gpu_lock = threading.Lock()
+_gpu: GpuDriver | None = None
+
+
+def _gpu_driver() -> GpuDriver:
+    """The process's GPU driver, made on first use: HIP on ROCm torch, else CUDA.
+
+    Raises ImportError (no bindings), RuntimeError (no driver library) or
+    DriverError (initialization failed); a later call tries again.
+    """
+    global _gpu
+    with _gpu_lock:
+        if _gpu is None:
+            if is_rocm():
+                from extensible_kv.driver.hip import HipDriver
+
+                _gpu = HipDriver()
+            else:
+                from extensible_kv.driver.cuda import CudaDriver
+
+                _gpu = CudaDriver()
+        return _gpu
+
+
 def get_driver(device: object) -> Driver:
     """The shared driver for ``device``'s type; raises
     :class:`BackendUnavailableError` saying why when there is none."""
@@ -65,14 +100,16 @@ def get_driver(device: object) -> Driver:
         raise BackendUnavailableError(f"no virtual memory backend for {spec.type}: {reason}")
     if spec.type == "cpu":
         return _host_driver()
-    raise AssertionError(f"unreachable: {spec.type} has no reason and no driver")
+    return _gpu_driver()
 
 
 def unavailable_reason(device: object = "cuda") -> str | None:
     """Why virtual memory management cannot be used on ``device``, or None.
 
-    Probes once per device (driver loads, granularity, reserve and free) and
-    never raises: an unreadable device is itself a reason.
+    Probes once per device (bindings import, driver loads, device exists and
+    supports VMM, granularity, reserve and free) and never raises: an
+    unreadable device is itself a reason. ``"cuda"`` without an ordinal
+    probes device 0.
     """
     try:
         spec = parse_device(device)
@@ -83,12 +120,27 @@ def unavailable_reason(device: object = "cuda") -> str | None:
 
 @functools.cache
 def _probe(kind: str, index: int | None) -> str | None:
-    if kind != "cpu":
-        return "this version of extensible-kv has no GPU backend yet"
+    if kind == "cpu":
+        try:
+            driver = _host_driver()
+            size = driver.granularity(0, False)
+            driver.free_reserved(driver.reserve(size), size)
+        except (DriverError, OSError) as exc:
+            return str(exc)
+        return None
+    backend, package, extra = (
+        ("HIP", "hip-python", "rocm")
+        if is_rocm()
+        else ("CUDA", "cuda-python's cuda-bindings", "cuda")
+    )
     try:
-        driver = _host_driver()
-        size = driver.granularity(0, False)
-        driver.free_reserved(driver.reserve(size), size)
-    except (DriverError, OSError) as exc:
-        return str(exc)
-    return None
+        gpu = _gpu_driver()
+    except ImportError as exc:
+        return f"{package} is not installed ({exc}): pip install 'extensible-kv[{extra}]'"
+    except DriverError as exc:
+        if exc.code == _NO_DEVICE:
+            return f"no {backend} device is visible to this process ({exc})"
+        return f"the {backend} driver failed to initialize: {exc}"
+    except RuntimeError as exc:
+        return f"the {backend} driver library could not be loaded: {exc}"
+    return gpu.unavailable_reason(0 if index is None else index)

@@ -1,0 +1,185 @@
+"""The CUDA backend: the driver protocol on ``cuda.bindings.driver`` (cuda-python).
+
+Install with ``pip install 'extensible-kv[cuda]'``. Every struct is built
+from the bindings' own types; nothing here knows a struct layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from extensible_kv.driver._gpu import GpuDriver
+
+
+def load_bindings() -> Any:
+    """``cuda.bindings.driver``; ImportError when cuda-python is not installed."""
+    return importlib.import_module("cuda.bindings.driver")
+
+
+class CudaDriver(GpuDriver):
+    """CUDA virtual memory management through the driver API.
+
+    Args:
+        bindings: the ``cuda.bindings.driver`` module (tests pass a stand-in).
+
+    Raises:
+        RuntimeError: the bindings cannot load the driver library (libcuda).
+        DriverError: ``cuInit`` fails (no device, driver too old, ...).
+    """
+
+    backend = "CUDA"
+    dlpack_device_type = 2
+    out_of_memory_code = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+    def __init__(self, bindings: Any = None) -> None:
+        super().__init__(load_bindings() if bindings is None else bindings)
+        self._check("cuInit", self._b.cuInit(0))
+        self._contexts: dict[int, Any] = {}
+        self._capabilities: dict[int, tuple[bool, bool]] = {}
+
+    def _error_text(self, code: Any) -> tuple[str, str]:
+        name = self._b.cuGetErrorName(code)
+        text = self._b.cuGetErrorString(code)
+        return (
+            name[1].decode() if int(name[0]) == 0 else f"CUresult {int(code)}",
+            text[1].decode() if int(text[0]) == 0 else "unknown error",
+        )
+
+    # -- devices and contexts ---------------------------------------------------
+
+    def device_count(self) -> int:
+        return int(self._check("cuDeviceGetCount", self._b.cuDeviceGetCount()))
+
+    def _attribute(self, name: str, device: int) -> int:
+        attribute = getattr(self._b.CUdevice_attribute, name)
+        dev = self._check("cuDeviceGet", self._b.cuDeviceGet(device))
+        return int(
+            self._check("cuDeviceGetAttribute", self._b.cuDeviceGetAttribute(attribute, dev))
+        )
+
+    def supports_vmm(self, device: int) -> bool:
+        return bool(
+            self._attribute("CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED", device)
+        )
+
+    def capabilities(self, device: int) -> tuple[bool, bool]:
+        """(POSIX fd handles supported, GPU-direct RDMA on VMM memory supported)."""
+        if device not in self._capabilities:
+            self._capabilities[device] = (
+                bool(
+                    self._attribute(
+                        "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", device
+                    )
+                ),
+                bool(
+                    self._attribute(
+                        "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED", device
+                    )
+                ),
+            )
+        return self._capabilities[device]
+
+    def _primary_context(self, device: int) -> Any:
+        # Retained once per device and kept: torch uses the same primary
+        # context, so both agree on which memory belongs to which device.
+        with self._lock:
+            if device not in self._contexts:
+                dev = self._check("cuDeviceGet", self._b.cuDeviceGet(device))
+                self._contexts[device] = self._check(
+                    "cuDevicePrimaryCtxRetain", self._b.cuDevicePrimaryCtxRetain(dev)
+                )
+            return self._contexts[device]
+
+    def ensure_context(self, device: int) -> None:
+        current = self._check("cuCtxGetCurrent", self._b.cuCtxGetCurrent())
+        if current is None or int(current) == 0:
+            self._check("cuCtxSetCurrent", self._b.cuCtxSetCurrent(self._primary_context(device)))
+
+    def synchronize(self, device: int) -> None:
+        """Wait for all work in ``device``'s primary context, whatever is current."""
+        self._check("cuCtxPushCurrent", self._b.cuCtxPushCurrent(self._primary_context(device)))
+        try:
+            self._check("cuCtxSynchronize", self._b.cuCtxSynchronize())
+        finally:
+            self._check("cuCtxPopCurrent", self._b.cuCtxPopCurrent())
+
+    # -- structs ----------------------------------------------------------------
+
+    def _location(self, target: Any, device: int) -> None:
+        target.type = self._b.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        target.id = device
+
+    def _allocation_prop(self, device: int, shareable: bool) -> Any:
+        """Pinned device memory; shareable adds the POSIX fd handle type and
+        the RDMA flag where the device supports each (they change granularity)."""
+        prop = self._b.CUmemAllocationProp()
+        prop.type = self._b.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self._location(prop.location, device)
+        if shareable:
+            posix_fd, rdma = self.capabilities(device)
+            if posix_fd:
+                prop.requestedHandleTypes = (
+                    self._b.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                )
+            if rdma:
+                prop.allocFlags.gpuDirectRDMACapable = 1
+        return prop
+
+    def access_desc(self, device: int) -> Any:
+        desc = self._b.CUmemAccessDesc()
+        self._location(desc.location, device)
+        desc.flags = self._b.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return desc
+
+    # -- protocol ---------------------------------------------------------------
+
+    def _query_granularity(self, prop: Any) -> int:
+        minimum = self._b.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        return int(
+            self._check(
+                "cuMemGetAllocationGranularity",
+                self._b.cuMemGetAllocationGranularity(prop, minimum),
+            )
+        )
+
+    def reserve(self, size: int) -> int:
+        return int(self._check("cuMemAddressReserve", self._b.cuMemAddressReserve(size, 0, 0, 0)))
+
+    def free_reserved(self, ptr: int, size: int) -> None:
+        self._check("cuMemAddressFree", self._b.cuMemAddressFree(ptr, size))
+
+    def _create(self, size: int, prop: Any) -> int:
+        return int(self._check("cuMemCreate", self._b.cuMemCreate(size, prop, 0)))
+
+    def release(self, handle: int) -> None:
+        self._check("cuMemRelease", self._b.cuMemRelease(handle))
+
+    def map(self, ptr: int, size: int, handle: int) -> None:
+        self._check("cuMemMap", self._b.cuMemMap(ptr, size, 0, handle, 0))
+
+    def unmap(self, ptr: int, size: int) -> None:
+        self._check("cuMemUnmap", self._b.cuMemUnmap(ptr, size))
+
+    def set_access(self, ptr: int, size: int, device: int) -> None:
+        self._check(
+            "cuMemSetAccess", self._b.cuMemSetAccess(ptr, size, [self.access_desc(device)], 1)
+        )
+
+    def export_handle(self, handle: int) -> int:
+        posix_fd = self._b.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return int(
+            self._check(
+                "cuMemExportToShareableHandle",
+                self._b.cuMemExportToShareableHandle(handle, posix_fd, 0),
+            )
+        )
+
+    def import_handle(self, fd: int) -> int:
+        posix_fd = self._b.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return int(
+            self._check(
+                "cuMemImportFromShareableHandle",
+                self._b.cuMemImportFromShareableHandle(fd, posix_fd),
+            )
+        )
