@@ -22,7 +22,7 @@ def tests(session: nox.Session) -> None:
     backends' struct building and their no-driver path.
     """
     session.install(TORCH)
-    session.install("-e", ".[test,cuda,rocm]")
+    session.install("-e", ".[test,plot,cuda,rocm]")
     session.run("pytest", *session.posargs)
 
 
@@ -44,10 +44,11 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: grow, sleep and wake a buffer on the best device."""
+    """The main job: ``extensible-kv demo``, the runner flow on the best device."""
     session.install(TORCH)
-    session.install("-e", ".")
-    session.run("python", "examples/grow_sleep_wake.py", *session.posargs)
+    session.install("-e", ".[plot]")
+    session.run("extensible-kv", "probe")
+    session.run("extensible-kv", "demo", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -29,6 +29,15 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+# The prepared GPU check runs every test twice (host and GPU) inside a few
+# minutes of lent device time.
+settings.register_profile(
+    "gpu-check",
+    max_examples=20,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 DEVICES = ["cpu"] + (["cuda"] if unavailable_reason("cuda") is None else [])

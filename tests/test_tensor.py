@@ -202,3 +202,21 @@ def test_default_device_is_the_accelerator_or_the_host() -> None:
 def test_vllm_names_are_importable() -> None:
     for name in ("ExtensibleTensor", "uint8_tensor_from_ptr", "vmm_unavailable_reason"):
         assert hasattr(extensible_kv, name)
+
+
+def test_defragment_maps_each_segment_prefix_as_one_chunk(
+    stats: StatisticsDriver, device: str, granularity: int
+) -> None:
+    cap = 4 * granularity + granularity // 2
+    et = make(stats, device, 2 * cap, num_segments=2, chunk_bytes=granularity)
+    for size in (10, granularity + 10, 3 * granularity):
+        et.resize_per_segment_(size)
+    et.full_view()[:10] = 4
+    assert len(et.buffer.chunks) > 2
+    base = et.base_ptr
+    et.defragment_()
+    assert len(et.buffer.chunks) == 2
+    assert et.bytes_per_segment == 3 * granularity
+    assert et.base_ptr == base
+    assert int(et.full_view()[: 3 * granularity].count_nonzero()) == 0
+    et.free()

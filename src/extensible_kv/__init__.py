@@ -18,6 +18,7 @@ from extensible_kv.driver import (
     get_driver,
     unavailable_reason,
 )
+from extensible_kv.kv import ExtensibleKVCacheBuffers, KVCacheBuffers, allocate_kv_cache
 from extensible_kv.tensor import ExtensibleTensor
 
 
@@ -34,12 +35,15 @@ __all__ = [
     "Chunk",
     "Driver",
     "DriverError",
+    "ExtensibleKVCacheBuffers",
     "ExtensibleTensor",
     "FaultInjectingDriver",
     "HostDriver",
+    "KVCacheBuffers",
     "OutOfMemoryError",
     "StatisticsDriver",
     "VirtualBuffer",
+    "allocate_kv_cache",
     "get_driver",
     "uint8_tensor_from_ptr",
     "unavailable_reason",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from extensible_kv._checks import check_int, round_up
@@ -14,6 +15,9 @@ from extensible_kv.driver import Driver
 from extensible_kv.intervals import IntervalSet
 
 logger = logging.getLogger(__name__)
+
+
+_Span = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -177,58 +181,75 @@ class VirtualBuffer:
                 needed.add(start, round_up(offset + size, self.granularity))
         return needed
 
+    def _plan(self, ranges: Iterable[tuple[int, int]], whole_runs: bool) -> list[list[_Span]]:
+        """The chunks a commit of ``ranges`` maps: per run of unmapped granules,
+        its chunks as ``(offset, size)``. Validates; changes nothing."""
+        self._check_usable()
+        needed = self._widened(list(ranges))
+        step = None if whole_runs else self.chunk_bytes
+        plan = []
+        for run in needed:
+            for start, end in self._mapped.gaps(*run):
+                width = step or end - start
+                plan.append([(o, min(width, end - o)) for o in range(start, end, width)])
+        return plan
+
+    def _map_chunks(self, plan: list[list[_Span]]) -> list[Chunk]:
+        """Create and map every chunk of ``plan``, granting access once per run.
+
+        All or nothing: on error what this call made is undone.
+        """
+        made: list[Chunk] = []
+        try:
+            for run in plan:
+                for offset, size in run:
+                    handle = self.driver.create(size, self.device, self.shareable)
+                    try:
+                        self.driver.map(self.base_ptr + offset, size, handle)
+                    except BaseException:
+                        self.driver.release(handle)
+                        raise
+                    made.append(Chunk(offset, size, handle))
+                # One set_access may span adjacent mappings, and it is one of
+                # the costlier driver calls: grant the whole run at once.
+                start, end = run[0][0], run[-1][0] + run[-1][1]
+                self.driver.set_access(self.base_ptr + start, end - start, self.device)
+        except BaseException:
+            self._unmap_and_release(made)
+            raise
+        self._add(made)
+        return made
+
+    def _unmap_and_release(self, chunks: Sequence[Chunk]) -> None:
+        """Undo chunks just made, that no kernel can have used yet."""
+        for chunk in reversed(chunks):
+            try:
+                self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
+                self.driver.release(chunk.handle)
+            except Exception:
+                logger.exception("rolling back a failed commit leaked %r", chunk)
+
+    def _add(self, chunks: Iterable[Chunk]) -> None:
+        for chunk in chunks:
+            i = bisect.bisect_left(self._chunk_offsets, chunk.offset)
+            self._chunks.insert(i, chunk)
+            self._chunk_offsets.insert(i, chunk.offset)
+            self._mapped.add(chunk.offset, chunk.end)
+
+    def _remove(self, chunks: Iterable[Chunk]) -> None:
+        for chunk in chunks:
+            i = bisect.bisect_left(self._chunk_offsets, chunk.offset)
+            del self._chunks[i]
+            del self._chunk_offsets[i]
+            self._mapped.remove(chunk.offset, chunk.end)
+
     def commit(self, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """Back every byte of ``ranges`` (``(offset, size)`` pairs) with memory.
 
         Returns the newly mapped runs as ``(offset, size)``; memory mapped
         earlier is untouched. All or nothing: on error nothing changes.
         """
-        with self._lock:
-            self._check_usable()
-            needed = self._widened(list(ranges))
-            todo = [gap for run in needed for gap in self._mapped.gaps(*run)]
-            if not todo:
-                return []
-            self.driver.ensure_context(self.device)
-            self._release_unreleased()
-            made: list[Chunk] = []
-            try:
-                for start, end in todo:
-                    self._map_run(start, end, made)
-            except BaseException:
-                self._undo_commit(made)
-                raise
-            for chunk in made:
-                i = bisect.bisect_left(self._chunk_offsets, chunk.offset)
-                self._chunks.insert(i, chunk)
-                self._chunk_offsets.insert(i, chunk.offset)
-            for start, end in todo:
-                self._mapped.add(start, end)
-            return [(start, end - start) for start, end in todo]
-
-    def _map_run(self, start: int, end: int, made: list[Chunk]) -> None:
-        """Map ``[start, end)`` as chunks, then grant access once for all of them."""
-        step = self.chunk_bytes or end - start
-        for offset in range(start, end, step):
-            size = min(step, end - offset)
-            handle = self.driver.create(size, self.device, self.shareable)
-            try:
-                self.driver.map(self.base_ptr + offset, size, handle)
-            except BaseException:
-                self.driver.release(handle)
-                raise
-            made.append(Chunk(offset, size, handle))
-        # One set_access may span adjacent mappings, and it is one of the
-        # costlier driver calls: grant the whole run at once.
-        self.driver.set_access(self.base_ptr + start, end - start, self.device)
-
-    def _undo_commit(self, made: list[Chunk]) -> None:
-        for chunk in reversed(made):
-            try:
-                self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
-                self.driver.release(chunk.handle)
-            except Exception:
-                logger.exception("rolling back a failed commit leaked %r", chunk)
+        return commit_together([(self, ranges)])[0]
 
     # -- release --------------------------------------------------------------
 
@@ -238,10 +259,7 @@ class VirtualBuffer:
         Returns the bytes released. Views stay valid as pointers but must not
         be touched until memory is committed again; contents are discarded.
         """
-        with self._lock:
-            if self._freed:
-                return 0
-            return self._release(list(self._chunks))
+        return release_together([self])
 
     def release_outside(self, keep: Iterable[tuple[int, int]]) -> int:
         """Release every chunk holding no byte of ``keep`` (``(offset, size)`` pairs).
@@ -254,36 +272,44 @@ class VirtualBuffer:
             self._check_usable()
             needed = self._widened(list(keep))
             doomed = [c for c in self._chunks if not needed.overlaps(c.offset, c.end)]
-            return self._release(doomed)
+            return _release_chunks([(self, doomed)])
 
-    def _release(self, chunks: Sequence[Chunk]) -> int:
+    def defragment(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Map ``ranges`` again with one chunk per run, discarding all contents.
+
+        See :func:`defragment_together`.
+        """
+        defragment_together([(self, ranges)])
+
+    def _detach(self, chunks: Sequence[Chunk]) -> None:
+        """Unmap ``chunks`` (all or none), keeping their handles to release."""
         if not chunks:
-            self._release_unreleased()
-            return 0
+            return
         self.driver.ensure_context(self.device)
         # Unmapping does not wait for kernels still reading the memory.
         self.driver.synchronize(self.device)
-        self._unmap_all_or_none(chunks)
-        for chunk in chunks:
-            i = bisect.bisect_left(self._chunk_offsets, chunk.offset)
-            del self._chunks[i]
-            del self._chunk_offsets[i]
-            self._mapped.remove(chunk.offset, chunk.end)
-            self._unreleased.append(chunk.handle)
-        self._release_unreleased()
-        return sum(chunk.size for chunk in chunks)
-
-    def _unmap_all_or_none(self, chunks: Sequence[Chunk]) -> None:
         done: list[Chunk] = []
         try:
             for chunk in chunks:
                 self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
                 done.append(chunk)
         except BaseException:
-            for chunk in done:
-                self.driver.map(self.base_ptr + chunk.offset, chunk.size, chunk.handle)
-                self.driver.set_access(self.base_ptr + chunk.offset, chunk.size, self.device)
+            self._map_back(done)
             raise
+        self._remove(chunks)
+        self._unreleased.extend(chunk.handle for chunk in chunks)
+
+    def _map_back(self, chunks: Sequence[Chunk]) -> None:
+        for chunk in chunks:
+            self.driver.map(self.base_ptr + chunk.offset, chunk.size, chunk.handle)
+            self.driver.set_access(self.base_ptr + chunk.offset, chunk.size, self.device)
+
+    def _reattach(self, chunks: Sequence[Chunk]) -> None:
+        """Undo :meth:`_detach`: the chunks' memory, contents and all, comes back."""
+        self._map_back(chunks)
+        self._add(chunks)
+        handles = {chunk.handle for chunk in chunks}
+        self._unreleased[:] = [h for h in self._unreleased if h not in handles]
 
     def _release_unreleased(self) -> None:
         """Release handles already unmapped; a failure keeps the rest for a retry."""
@@ -301,7 +327,6 @@ class VirtualBuffer:
                 return
             self.driver.ensure_context(self.device)
             self.release_physical()
-            self._release_unreleased()
             self._freed = True
             if self._views == 0:
                 self._free_reservation()
@@ -329,6 +354,110 @@ class VirtualBuffer:
                     self._free_reservation()
                 except Exception:
                     logger.exception("returning the address range of %r failed", self)
+
+
+@contextlib.contextmanager
+def _locked(buffers: Iterable[VirtualBuffer]) -> Iterator[None]:
+    """Hold the locks of ``buffers``, taken in one global order (no deadlock)."""
+    with contextlib.ExitStack() as stack:
+        for buffer in sorted(set(buffers), key=id):
+            stack.enter_context(buffer._lock)
+        yield
+
+
+def commit_together(
+    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]], *, whole_runs: bool = False
+) -> list[list[tuple[int, int]]]:
+    """Commit ranges in several buffers, all or nothing.
+
+    ``requests`` pairs each buffer with its ``(offset, size)`` ranges. If any
+    driver call fails, every buffer is left as it was. Returns, per request,
+    the newly mapped runs as ``(offset, size)``. With ``whole_runs`` each run
+    of new granules is one chunk, whatever the buffers' ``chunk_bytes``.
+    """
+    requests = [(buffer, list(ranges)) for buffer, ranges in requests]
+    with _locked(buffer for buffer, _ in requests):
+        plans = [buffer._plan(ranges, whole_runs) for buffer, ranges in requests]
+        made: list[tuple[VirtualBuffer, list[Chunk]]] = []
+        try:
+            for (buffer, _), plan in zip(requests, plans, strict=False):
+                if plan:
+                    buffer.driver.ensure_context(buffer.device)
+                    buffer._release_unreleased()
+                    made.append((buffer, buffer._map_chunks(plan)))
+        except BaseException:
+            for buffer, chunks in reversed(made):
+                buffer._remove(chunks)
+                buffer._unmap_and_release(chunks)
+            raise
+        return [[(run[0][0], sum(size for _, size in run)) for run in plan] for plan in plans]
+
+
+def release_together(buffers: Sequence[VirtualBuffer]) -> int:
+    """Release all physical memory of several buffers; freed buffers are skipped.
+
+    Unmapping is all or nothing across the buffers: if one unmap fails, every
+    chunk unmapped so far is mapped back, contents intact. Then the handles
+    are released; one whose release fails is kept, and released by the next
+    call that changes its buffer. Returns the bytes released.
+    """
+    with _locked(buffers):
+        return _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
+
+
+def _release_chunks(requests: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]]) -> int:
+    detached: list[tuple[VirtualBuffer, Sequence[Chunk]]] = []
+    try:
+        for buffer, chunks in requests:
+            buffer._detach(chunks)
+            detached.append((buffer, chunks))
+    except BaseException:
+        for buffer, chunks in reversed(detached):
+            buffer._reattach(chunks)
+        raise
+    for buffer, _ in requests:
+        buffer._release_unreleased()
+    return sum(chunk.size for _, chunks in requests for chunk in chunks)
+
+
+def defragment_together(
+    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]],
+) -> None:
+    """Map each buffer's ranges again as one chunk per run, discarding contents.
+
+    Memory is released before the new chunks are made, so the peak is not
+    twice the cache. If making them fails, each buffer gets its previous
+    chunk layout back (zeroed: its contents were to be discarded anyway) and
+    the error propagates. Memory that connectors register must be
+    defragmented: UCX cannot transfer a region spanning several handles.
+    """
+    requests = [(buffer, list(ranges)) for buffer, ranges in requests]
+    buffers = [buffer for buffer, _ in requests]
+    with _locked(buffers):
+        for buffer, ranges in requests:
+            buffer._plan(ranges, True)
+        layouts = [_runs_of(buffer._chunks) for buffer in buffers]
+        release_together(buffers)
+        try:
+            commit_together(requests, whole_runs=True)
+        except BaseException:
+            for buffer, layout in zip(buffers, layouts, strict=False):
+                try:
+                    buffer._map_chunks(layout)
+                except Exception:
+                    logger.exception("restoring %r after a failed defragment failed", buffer)
+            raise
+
+
+def _runs_of(chunks: Sequence[Chunk]) -> list[list[_Span]]:
+    """Chunks grouped into runs of adjacent ones, as a plan for _map_chunks."""
+    runs: list[list[_Span]] = []
+    for chunk in chunks:
+        if runs and runs[-1][-1][0] + runs[-1][-1][1] == chunk.offset:
+            runs[-1].append((chunk.offset, chunk.size))
+        else:
+            runs.append([(chunk.offset, chunk.size)])
+    return runs
 
 
 def _teardown(

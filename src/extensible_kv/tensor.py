@@ -7,12 +7,18 @@ host (CPU) memory, and pluggable drivers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from extensible_kv._checks import check_int
-from extensible_kv.buffer import VirtualBuffer
+from extensible_kv.buffer import (
+    VirtualBuffer,
+    commit_together,
+    defragment_together,
+    release_together,
+)
 from extensible_kv.dlpack import ByteView, as_tensor
 from extensible_kv.driver import Driver, get_driver, parse_device
 
@@ -155,6 +161,12 @@ class ExtensibleTensor:
         :meth:`shrink_per_segment_` to give memory back. All segments grow or
         none does.
         """
+        resize_per_segment_all([(self, bytes_per_segment)], zero_new=zero_new)
+
+    def _grow_plan(
+        self, bytes_per_segment: int, zero_new: bool
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Validate a grow; the ranges to commit and the ranges to zero after."""
         self._check_alive("resize_per_segment_")
         check_int("bytes_per_segment", bytes_per_segment)
         old = self._bytes_per_segment
@@ -172,18 +184,19 @@ class ExtensibleTensor:
                 f"segment capacity {self._segment_capacity_bytes}"
             )
         if bytes_per_segment == old:
-            return
+            return [], []
         ranges = self._segment_ranges(old, bytes_per_segment)
-        if zero_new and self._buffer.driver.zeroes_new_memory:
+        if not zero_new:
+            return ranges, []
+        if self._buffer.driver.zeroes_new_memory:
             # Fresh memory arrives zeroed: only granules mapped before this
             # commit (shared with a neighbour, kept by a shrink) can hold old bytes.
-            to_zero = [part for r in ranges for part in self._buffer.mapped_in(*r)]
-        else:
-            to_zero = ranges if zero_new else []
-        self._buffer.commit(ranges)
-        self._bytes_per_segment = bytes_per_segment
+            return ranges, [part for r in ranges for part in self._buffer.mapped_in(*r)]
+        return ranges, ranges
+
+    def _zero(self, ranges: list[tuple[int, int]]) -> None:
         full = self._full_view()
-        for offset, size in to_zero:
+        for offset, size in ranges:
             full[offset : offset + size].zero_()
 
     def resize_(self, num_bytes: int) -> torch.Tensor:
@@ -237,12 +250,14 @@ class ExtensibleTensor:
         Views must not be touched until memory is committed again; the data
         is discarded and :attr:`num_bytes` drops to 0.
         """
-        self._check_alive("release_physical")
-        try:
-            self._buffer.release_physical()
-        finally:
-            if self._buffer.physical_bytes == 0:
-                self._bytes_per_segment = 0
+        release_physical_all([self])
+
+    def defragment_(self) -> None:
+        """Map each segment's committed prefix again as one chunk; contents are
+        discarded (they read as zero after). KV connectors need this before
+        registering memory: UCX cannot transfer a region spanning several
+        physical allocations."""
+        defragment_all([self])
 
     def free(self) -> None:
         """Release the memory now and the address range once no view is left.
@@ -315,3 +330,55 @@ class ExtensibleTensor:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (self._buffer.driver.dlpack_device_type, self._buffer.device)
+
+
+def resize_per_segment_all(
+    items: Sequence[tuple[ExtensibleTensor, int]], *, zero_new: bool = False
+) -> None:
+    """Grow several tensors to ``bytes_per_segment`` each, all or nothing.
+
+    Like :meth:`ExtensibleTensor.resize_per_segment_` on each, but if any
+    driver call fails no tensor has grown.
+    """
+    plans = [(tensor, n, *tensor._grow_plan(n, zero_new)) for tensor, n in items]
+    commit_together([(tensor._buffer, ranges) for tensor, _, ranges, _ in plans])
+    for tensor, n, ranges, to_zero in plans:
+        if ranges:
+            tensor._bytes_per_segment = n
+        tensor._zero(to_zero)
+
+
+def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:
+    """Release several tensors' memory; if an unmap fails, all are as they were.
+
+    See :func:`~extensible_kv.buffer.release_together` for what a failure
+    while releasing handles leaves (a retry finishes it).
+    """
+    for tensor in tensors:
+        tensor._check_alive("release_physical")
+    try:
+        release_together([tensor._buffer for tensor in tensors])
+    finally:
+        for tensor in tensors:
+            if tensor._buffer.physical_bytes == 0:
+                tensor._bytes_per_segment = 0
+
+
+def defragment_all(tensors: Sequence[ExtensibleTensor]) -> None:
+    """:meth:`ExtensibleTensor.defragment_` on several tensors, all or nothing.
+
+    If the new chunks cannot be made, each tensor keeps its committed size on
+    its previous chunk layout, zeroed, and the error propagates.
+    """
+    for tensor in tensors:
+        tensor._check_alive("defragment_")
+    prefixes = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
+    layouts = [tensor._buffer.chunks for tensor in tensors]
+    try:
+        defragment_together([(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)])
+    finally:
+        for tensor, ranges, layout in zip(tensors, prefixes, layouts, strict=True):
+            remapped = tensor._buffer.chunks != layout
+            backed = all(sum(n for _, n in tensor._buffer.mapped_in(*r)) == r[1] for r in ranges)
+            if remapped and backed and not tensor._buffer.driver.zeroes_new_memory:
+                tensor._zero(ranges)

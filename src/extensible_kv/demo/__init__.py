@@ -1,0 +1,6 @@
+"""The runner flow on a tiny paged-attention model: what ``extensible-kv demo`` runs."""
+
+from extensible_kv.demo.flow import FlowReport, FlowSettings, Phase, run_flow
+from extensible_kv.demo.model import ModelConfig, TinyDecoder
+
+__all__ = ["FlowReport", "FlowSettings", "ModelConfig", "Phase", "TinyDecoder", "run_flow"]

@@ -1,0 +1,48 @@
+"""The KV cache: lockstep buffers, layouts, allocation from a description,
+narrowing for connectors, and sizing after warm-up."""
+
+from extensible_kv.kv.allocate import (
+    KVCache,
+    LayerPlacement,
+    allocate_kv_cache,
+    narrow_to_num_blocks,
+)
+from extensible_kv.kv.buffers import ExtensibleKVCacheBuffers, KVCacheBuffers
+from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
+from extensible_kv.kv.sizing import KVSizing, MemorySnapshot, size_kv_cache
+from extensible_kv.kv.spec import (
+    AttentionBackend,
+    AttentionSpec,
+    BlockMajorBackend,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheTensor,
+    KVFirstBlockMajorBackend,
+    KVSplitBackend,
+    MambaSpec,
+)
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionSpec",
+    "BlockLayout",
+    "BlockMajorBackend",
+    "ExtensibleKVCacheBuffers",
+    "Geometry",
+    "KVCache",
+    "KVCacheBuffers",
+    "KVCacheConfig",
+    "KVCacheGroup",
+    "KVCacheTensor",
+    "KVFirstBlockMajorBackend",
+    "KVSizing",
+    "KVSplitBackend",
+    "LayerPlacement",
+    "MambaSpec",
+    "MemorySnapshot",
+    "allocate_kv_cache",
+    "attention_geometry",
+    "narrow_to_num_blocks",
+    "place",
+    "size_kv_cache",
+]

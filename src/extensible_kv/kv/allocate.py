@@ -1,0 +1,315 @@
+"""Allocate a KV cache from its description: buffers, per-layer views, narrowing."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from extensible_kv.dlpack import as_tensor
+from extensible_kv.driver import Driver
+from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.kv.layout import (
+    BlockLayout,
+    attention_geometry,
+    layer_segments,
+    mamba_layouts,
+    place,
+)
+from extensible_kv.kv.spec import is_mamba
+from extensible_kv.tensor import ExtensibleTensor
+
+#: A layer's view: one tensor for attention, one per state for Mamba.
+LayerView = torch.Tensor | list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Where a layer lives: its buffer, its layouts there, and whether its
+    buffer is packed (several layers' pages in one block row)."""
+
+    buffer: ExtensibleTensor
+    layouts: tuple[BlockLayout, ...]
+    packed: bool
+    mamba: bool
+
+
+@dataclass
+class KVCache:
+    """An allocated KV cache.
+
+    Attributes:
+        buffers: the lockstep buffers (commit, release, recommit, free).
+        views: per layer, the tensor(s) the attention kernels read, spanning
+            the whole capacity; valid for the cache's lifetime.
+        placements: per layer, where its views live (for narrowing).
+    """
+
+    buffers: KVCacheBuffers
+    views: dict[str, LayerView]
+    placements: dict[str, LayerPlacement]
+
+    def narrowed_views(self, num_blocks: int | None = None) -> dict[str, LayerView]:
+        """Views trimmed to the first ``num_blocks`` (default: the committed)
+        blocks, for KV connectors registering memory; see
+        :func:`narrow_to_num_blocks`."""
+        n = self.buffers.num_blocks_committed if num_blocks is None else num_blocks
+        return narrow_to_num_blocks(self.views, n, self.placements)
+
+    def free(self) -> None:
+        self.views.clear()
+        self.buffers.free()
+
+
+def narrow_to_num_blocks(
+    views: Mapping[str, LayerView], num_blocks: int, placements: Mapping[str, LayerPlacement]
+) -> dict[str, LayerView]:
+    """Each layer's views trimmed to its first ``num_blocks`` blocks.
+
+    Views keep their base pointers and strides. Packed views are rebuilt on
+    storage that ends at the last committed row, so a connector that
+    registers a view's storage registers committed memory only. Register
+    after a defragmenting commit: UCX cannot transfer a region spanning
+    several physical allocations.
+    """
+    narrowed: dict[str, LayerView] = {}
+    for name, view in views.items():
+        placement = placements[name]
+        if placement.packed:
+            row = placement.layouts[0].strides[placement.layouts[0].block_dim]
+            row_bytes = row * placement.layouts[0].dtype.itemsize
+            storage = as_tensor(placement.buffer.buffer, 0, num_blocks * row_bytes)
+            trimmed = [layout.with_blocks(num_blocks).view(storage) for layout in placement.layouts]
+        else:
+            tensors = view if isinstance(view, list) else [view]
+            trimmed = [
+                t.narrow(layout.block_dim, 0, num_blocks)
+                for t, layout in zip(tensors, placement.layouts, strict=True)
+            ]
+        narrowed[name] = trimmed if placement.mamba else trimmed[0]
+    return narrowed
+
+
+@dataclass
+class _Layer:
+    name: str
+    spec: Any
+    backend: Any
+
+
+def _layers(config: Any, backends: Any) -> dict[str, _Layer]:
+    groups = list(config.kv_cache_groups)
+    if not isinstance(backends, Sequence):
+        backends = [backends] * len(groups)
+    if len(backends) != len(groups):
+        raise ValueError(
+            f"{len(groups)} KV cache groups need {len(groups)} backends, got {len(backends)}"
+        )
+    layers: dict[str, _Layer] = {}
+    seen: dict[str, int] = {}
+    for index, (group, backend) in enumerate(zip(groups, backends, strict=True)):
+        spec = group.kv_cache_spec
+        if backend is None and not is_mamba(spec):
+            raise ValueError(f"KV cache group {index} is attention and needs a backend")
+        for name in group.layer_names:
+            if name in seen:
+                raise ValueError(f"layer {name!r} is in KV cache groups {seen[name]} and {index}")
+            seen[name] = index
+            layers[name] = _Layer(name, spec, backend)
+    return layers
+
+
+def _check_coverage(config: Any, layers: Mapping[str, _Layer]) -> None:
+    owner: dict[str, int] = {}
+    for index, tensor in enumerate(config.kv_cache_tensors):
+        unknown = [n for n in tensor.shared_by if n not in layers]
+        if unknown:
+            raise ValueError(
+                f"KV cache tensor {index} names layers no group has: {', '.join(unknown)}"
+            )
+        for name in tensor.shared_by:
+            if name in owner:
+                raise ValueError(
+                    f"layer {name!r} is backed by KV cache tensors {owner[name]} and {index}"
+                )
+            owner[name] = index
+    missing = [name for name in layers if name not in owner]
+    if missing:
+        raise ValueError(f"layers not backed by any KV cache tensor: {', '.join(missing)}")
+
+
+def _layouts(
+    layer: _Layer, hybrid: bool, cache_dtype: str, capacity: int, row_bytes: int, offset: int
+) -> tuple[BlockLayout, ...]:
+    """A layer's layouts in a buffer of ``capacity`` blocks with that row."""
+    if is_mamba(layer.spec):
+        return tuple(
+            mamba_layouts(layer.spec, capacity=capacity, row_bytes=row_bytes, offset_bytes=offset)
+        )
+    geometry = attention_geometry(layer.backend, layer.spec, capacity, cache_dtype)
+    if hybrid:
+        geometry = geometry.block_major()
+    return (
+        place(
+            geometry, layer.spec.dtype, capacity=capacity, row_bytes=row_bytes, offset_bytes=offset
+        ),
+    )
+
+
+def _segments(layer: _Layer, hybrid: bool, cache_dtype: str) -> int:
+    return layer_segments(layer.spec, layer.backend, cache_dtype, hybrid)
+
+
+def allocate_kv_cache(
+    config: Any,
+    backends: Any,
+    device: torch.device | str | int | None = None,
+    *,
+    cache_dtype: str = "auto",
+    shareable: bool = False,
+    driver: Driver | None = None,
+    chunk_bytes: int | None = None,
+) -> KVCache:
+    """Reserve a KV cache for ``config.num_blocks`` blocks and commit one.
+
+    Args:
+        config: a KV cache description (``num_blocks``, ``kv_cache_tensors``,
+            ``kv_cache_groups``); vLLM's or :class:`~extensible_kv.kv.KVCacheConfig`.
+        backends: the attention backend of each group, in group order (None
+            for Mamba groups), or one backend for every group.
+        device, shareable, driver, chunk_bytes: as for :class:`ExtensibleTensor`.
+        cache_dtype: passed to the backends' ``get_kv_cache_shape``.
+
+    Every layer must be backed by exactly one KV cache tensor; layers
+    sharing a tensor must agree on its number of segments. A cache with a
+    Mamba group is hybrid: its attention layers are stored block-major.
+    """
+    capacity = int(config.num_blocks)
+    if capacity < 1:
+        raise ValueError(f"num_blocks must be positive, got {capacity}")
+    layers = _layers(config, backends)
+    _check_coverage(config, layers)
+    hybrid = any(is_mamba(layer.spec) for layer in layers.values())
+    packed: dict[int, list[Any]] = defaultdict(list)
+    plain: list[tuple[int, Any]] = []
+    for index, tensor in enumerate(config.kv_cache_tensors):
+        if tensor.block_stride:
+            packed[int(tensor.block_stride)].append((index, tensor))
+        else:
+            plain.append((index, tensor))
+
+    placements: dict[str, LayerPlacement] = {}
+    buffers: list[tuple[ExtensibleTensor, int]] = []
+    make = {"device": device, "shareable": shareable, "driver": driver, "chunk_bytes": chunk_bytes}
+    try:
+        for index, tensor in plain:
+            buffers.append(
+                _plain_buffer(
+                    index, tensor, layers, hybrid, cache_dtype, capacity, make, placements
+                )
+            )
+        for row_bytes, members in packed.items():
+            buffers.append(
+                _packed_buffer(
+                    row_bytes, members, layers, hybrid, cache_dtype, capacity, make, placements
+                )
+            )
+        cache = KVCacheBuffers(buffers, capacity)
+        cache.commit(1)
+    except BaseException:
+        for buffer, _ in buffers:
+            buffer.free()
+        raise
+    views: dict[str, LayerView] = {}
+    for name, placement in placements.items():
+        full = placement.buffer.full_view()
+        tensors = [layout.view(full) for layout in placement.layouts]
+        views[name] = tensors if placement.mamba else tensors[0]
+    return KVCache(cache, views, placements)
+
+
+def _plain_buffer(
+    index: int,
+    tensor: Any,
+    layers: Mapping[str, _Layer],
+    hybrid: bool,
+    cache_dtype: str,
+    capacity: int,
+    make: dict[str, Any],
+    placements: dict[str, LayerPlacement],
+) -> tuple[ExtensibleTensor, int]:
+    if tensor.size % capacity:
+        raise ValueError(
+            f"KV cache tensor {index} has {tensor.size} bytes, not a multiple of "
+            f"num_blocks {capacity}"
+        )
+    sharing = [layers[name] for name in tensor.shared_by]
+    counts = {layer.name: _segments(layer, hybrid, cache_dtype) for layer in sharing}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{name} has {n}" for name, n in counts.items())
+        raise ValueError(f"layers sharing KV cache tensor {index} disagree on segments: {listed}")
+    segments = next(iter(counts.values()))
+    bytes_per_block = tensor.size // capacity
+    if bytes_per_block % segments:
+        raise ValueError(
+            f"KV cache tensor {index}: {bytes_per_block} bytes per block do not split "
+            f"into {segments} segments"
+        )
+    row = bytes_per_block // segments
+    buffer = ExtensibleTensor(capacity * bytes_per_block, num_segments=segments, **make)
+    for layer in sharing:
+        try:
+            layouts = _layouts(layer, hybrid, cache_dtype, capacity, row, int(tensor.offset))
+        except ValueError as exc:
+            buffer.free()
+            raise ValueError(
+                f"layer {layer.name!r} does not fit KV cache tensor {index}: {exc}"
+            ) from None
+        placements[layer.name] = LayerPlacement(
+            buffer, layouts, packed=False, mamba=is_mamba(layer.spec)
+        )
+    return buffer, row
+
+
+def _packed_buffer(
+    row_bytes: int,
+    members: list[tuple[int, Any]],
+    layers: Mapping[str, _Layer],
+    hybrid: bool,
+    cache_dtype: str,
+    capacity: int,
+    make: dict[str, Any],
+    placements: dict[str, LayerPlacement],
+) -> tuple[ExtensibleTensor, int]:
+    for index, tensor in members:
+        for name in tensor.shared_by:
+            if _segments(layers[name], hybrid, cache_dtype) != 1:
+                raise ValueError(
+                    f"layer {name!r} of packed KV cache tensor {index} is not block-major "
+                    f"(its layout has several segments); packed rows need one segment"
+                )
+    buffer = ExtensibleTensor(capacity * row_bytes, **make)
+    for index, tensor in members:
+        for name in tensor.shared_by:
+            try:
+                layouts = _layouts(
+                    layers[name], hybrid, cache_dtype, capacity, row_bytes, int(tensor.offset)
+                )
+            except ValueError as exc:
+                buffer.free()
+                raise ValueError(
+                    f"layer {name!r} does not fit packed KV cache tensor {index}: {exc}"
+                ) from None
+            if int(tensor.offset) + layers[name].spec.page_size_bytes > row_bytes:
+                buffer.free()
+                raise ValueError(
+                    f"layer {name!r} of packed KV cache tensor {index}: its page at offset "
+                    f"{tensor.offset} runs past the {row_bytes}-byte row"
+                )
+            placements[name] = LayerPlacement(
+                buffer, layouts, packed=True, mamba=is_mamba(layers[name].spec)
+            )
+    return buffer, row_bytes

@@ -1,0 +1,193 @@
+"""Layouts: how a layer's KV tensor lies in its byte buffer, and its segments.
+
+A backend gives a logical shape (e.g. ``(2, num_blocks, block_size, heads,
+head_size)``) and optionally a stride order, the physical order of the dims,
+outermost first. The dims physically *before* the block dim split the
+buffer into segments that grow in lockstep (K/V split: 2); the dims after it
+make one block's bytes in a segment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from extensible_kv.kv.spec import is_mamba
+
+#: Two block counts no backend dim is likely to equal: the dim whose extent
+#: follows the block count is the block dim.
+_PROBE_BLOCKS = (1009, 1013)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A logical shape, the physical order of its dims and which one is the block dim."""
+
+    shape: tuple[int, ...]
+    order: tuple[int, ...]
+    block_dim: int
+
+    def __post_init__(self) -> None:
+        if sorted(self.order) != list(range(len(self.shape))):
+            raise ValueError(
+                f"stride order {self.order} is not a permutation of the dims of {self.shape}"
+            )
+        if not 0 <= self.block_dim < len(self.shape):
+            raise ValueError(f"block dim {self.block_dim} is not a dim of {self.shape}")
+
+    @property
+    def _position(self) -> int:
+        return self.order.index(self.block_dim)
+
+    @property
+    def num_segments(self) -> int:
+        """Product of the physical dims before the block dim."""
+        return math.prod(self.shape[d] for d in self.order[: self._position])
+
+    @property
+    def elements_per_block_per_segment(self) -> int:
+        return math.prod(self.shape[d] for d in self.order[self._position + 1 :])
+
+    def block_major(self) -> Geometry:
+        """The same logical shape stored with the block dim outermost (1 segment).
+
+        For a ``(2, N, ...)`` attention cache this puts K and V of one block
+        next to each other, as hybrid attention + Mamba caches need.
+        """
+        rest = tuple(d for d in self.order if d != self.block_dim)
+        return replace(self, order=(self.block_dim, *rest))
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """One tensor's place in a byte buffer: shape, strides and offset in
+    elements of ``dtype``, and its block dim."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    block_dim: int
+    offset_bytes: int
+
+    def view(self, full: torch.Tensor) -> torch.Tensor:
+        """The tensor over ``full``, the buffer's uint8 full view (no copy)."""
+        size = itemsize(self.dtype)
+        typed = full[: full.numel() // size * size].view(self.dtype)
+        return typed.as_strided(self.shape, self.strides, self.offset_bytes // size)
+
+    def with_blocks(self, num_blocks: int) -> BlockLayout:
+        """The same layout trimmed to the first ``num_blocks`` blocks."""
+        shape = list(self.shape)
+        shape[self.block_dim] = num_blocks
+        return replace(self, shape=tuple(shape))
+
+
+def place(
+    geometry: Geometry,
+    dtype: torch.dtype,
+    *,
+    capacity: int,
+    row_bytes: int,
+    offset_bytes: int = 0,
+) -> BlockLayout:
+    """Lay ``geometry`` out in a buffer of ``capacity`` blocks per segment,
+    one block of a segment being ``row_bytes`` bytes from the next.
+
+    Dims after the block dim are contiguous; the block dim strides by
+    ``row_bytes``; dims before it step from segment to segment, each segment
+    ``capacity * row_bytes`` bytes.
+    """
+    size = itemsize(dtype)
+    if row_bytes % size or offset_bytes % size:
+        raise ValueError(
+            f"a {dtype} layout needs the block row ({row_bytes} bytes) and its offset "
+            f"({offset_bytes} bytes) to be multiples of {size} bytes"
+        )
+    if geometry.elements_per_block_per_segment * size > row_bytes:
+        raise ValueError(
+            f"a block of {geometry.shape} needs {geometry.elements_per_block_per_segment * size} "
+            f"bytes per segment, more than the {row_bytes}-byte row it is given"
+        )
+    strides = [0] * len(geometry.shape)
+    position = geometry.order.index(geometry.block_dim)
+    step = 1
+    for dim in reversed(geometry.order[position + 1 :]):
+        strides[dim] = step
+        step *= geometry.shape[dim]
+    strides[geometry.block_dim] = row_bytes // size
+    step = capacity * row_bytes // size
+    for dim in reversed(geometry.order[:position]):
+        strides[dim] = step
+        step *= geometry.shape[dim]
+    shape = list(geometry.shape)
+    shape[geometry.block_dim] = capacity
+    return BlockLayout(tuple(shape), tuple(strides), dtype, geometry.block_dim, offset_bytes)
+
+
+def find_block_dim(backend: Any, spec: Any, cache_dtype: str) -> int:
+    """The backend's block dim: asked for, or the dim that follows the block count."""
+    if hasattr(backend, "get_kv_cache_block_dim"):
+        return int(backend.get_kv_cache_block_dim())
+    shapes = [attention_shape(backend, spec, n, cache_dtype) for n in _PROBE_BLOCKS]
+    moved = [d for d, (a, b) in enumerate(zip(*shapes, strict=True)) if a != b]
+    if len(moved) != 1 or shapes[0][moved[0]] != _PROBE_BLOCKS[0]:
+        raise ValueError(
+            f"cannot tell the block dim of {type(backend).__name__}'s shape {shapes[0]}; "
+            f"give the backend get_kv_cache_block_dim()"
+        )
+    return moved[0]
+
+
+def attention_shape(backend: Any, spec: Any, num_blocks: int, cache_dtype: str) -> tuple[int, ...]:
+    shape = backend.get_kv_cache_shape(
+        num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, cache_dtype
+    )
+    return tuple(int(n) for n in shape)
+
+
+def attention_geometry(
+    backend: Any, spec: Any, num_blocks: int, cache_dtype: str = "auto"
+) -> Geometry:
+    """The geometry an attention backend gives a layer of ``spec``."""
+    shape = attention_shape(backend, spec, num_blocks, cache_dtype)
+    if hasattr(backend, "get_kv_cache_stride_order"):
+        order = tuple(int(d) for d in backend.get_kv_cache_stride_order())
+    else:
+        order = tuple(range(len(shape)))
+    return Geometry(shape, order, find_block_dim(backend, spec, cache_dtype))
+
+
+def mamba_layouts(
+    spec: Any, *, capacity: int, row_bytes: int, offset_bytes: int = 0
+) -> list[BlockLayout]:
+    """One block-major layout per state of a Mamba-like spec, the states of
+    a block side by side in its row."""
+    layouts = []
+    offset = offset_bytes
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        geometry = Geometry((capacity, *shape), tuple(range(len(shape) + 1)), 0)
+        layouts.append(
+            place(geometry, dtype, capacity=capacity, row_bytes=row_bytes, offset_bytes=offset)
+        )
+        offset += math.prod(shape) * itemsize(dtype)
+    if offset - offset_bytes > row_bytes:
+        raise ValueError(
+            f"the states of {spec} need {offset - offset_bytes} bytes, more than the "
+            f"{row_bytes}-byte row"
+        )
+    return layouts
+
+
+def layer_segments(spec: Any, backend: Any, cache_dtype: str, hybrid: bool) -> int:
+    """How many segments a layer's buffer needs: Mamba and hybrid caches are
+    block-major (1); attention follows its backend's stride order."""
+    if is_mamba(spec) or hybrid:
+        return 1
+    return attention_geometry(backend, spec, 1, cache_dtype).num_segments

@@ -1,0 +1,327 @@
+"""KVCacheBuffers: lockstep commit, sleep and wake, defragment, all or nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
+from extensible_kv.driver import Driver, LiveUsage, get_driver
+from extensible_kv.kv import ExtensibleKVCacheBuffers, KVCacheBuffers
+
+MiB = 1 << 20
+CAPACITY = 64
+# (segments, bytes per block per segment): a K/V-split buffer whose segment
+# boundary falls inside a granule, and two single-segment ones.
+SHAPES = [(2, 48 * 1024), (1, 96 * 1024), (1, 40 * 1024 + 16)]
+
+
+def make_cache(device: str, driver: Driver, chunk_bytes: int | None = None) -> KVCacheBuffers:
+    buffers = [
+        (
+            ExtensibleTensor(
+                CAPACITY * per_block * segments,
+                device,
+                num_segments=segments,
+                driver=driver,
+                chunk_bytes=chunk_bytes,
+            ),
+            per_block,
+        )
+        for segments, per_block in SHAPES
+    ]
+    return KVCacheBuffers(buffers, CAPACITY)
+
+
+def block(buffer: ExtensibleTensor, per_block: int, segment: int, index: int) -> torch.Tensor:
+    start = segment * buffer.segment_capacity_bytes + index * per_block
+    return buffer.full_view()[start : start + per_block]
+
+
+def test_commit_zeroes_new_blocks_and_ignores_smaller_counts(
+    stats: StatisticsDriver, device: str
+) -> None:
+    cache = make_cache(device, stats)
+    cache.commit(3)
+    for buffer, per_block in cache.buffers:
+        for segment in range(buffer.num_segments):
+            block(buffer, per_block, segment, 2).fill_(9)
+    cache.commit(2)
+    assert cache.num_blocks_committed == 3
+    cache.commit(CAPACITY)
+    for buffer, per_block in cache.buffers:
+        assert buffer.bytes_per_segment == CAPACITY * per_block
+        for segment in range(buffer.num_segments):
+            assert block(buffer, per_block, segment, 2).eq(9).all()
+            assert int(block(buffer, per_block, segment, 3).count_nonzero()) == 0
+            block(buffer, per_block, segment, CAPACITY - 1).fill_(1)
+    assert cache.bytes_per_block == sum(s * b for s, b in SHAPES)
+    cache.free()
+
+
+def test_ensure_blocks_caps_at_capacity(stats: StatisticsDriver, device: str) -> None:
+    cache = make_cache(device, stats)
+    cache.ensure_blocks(5)
+    assert cache.num_blocks_committed == 5
+    cache.ensure_blocks(2)
+    assert cache.num_blocks_committed == 5
+    cache.ensure_blocks(10 * CAPACITY)
+    assert cache.num_blocks_committed == CAPACITY
+    cache.free()
+
+
+def test_sleep_and_wake(stats: StatisticsDriver, device: str) -> None:
+    cache = make_cache(device, stats)
+    cache.commit(20)
+    bases = [buffer.base_ptr for buffer, _ in cache.buffers]
+    views = [buffer.full_view() for buffer, _ in cache.buffers]
+    for view in views:
+        view[:100].fill_(7)
+    cache.release_physical()
+    assert cache.released
+    assert cache.physical_bytes == 0
+    assert cache.num_blocks_committed == 0
+    assert stats.live.handles == 0
+    cache.release_physical()
+    with pytest.raises(ValueError, match="released"):
+        cache.commit(30)
+    cache.recommit()
+    assert not cache.released
+    assert cache.num_blocks_committed == 20
+    assert [buffer.base_ptr for buffer, _ in cache.buffers] == bases
+    for view in views:
+        assert int(view[:100].count_nonzero()) == 0
+        view[:100].fill_(3)
+    cache.recommit()
+    assert cache.num_blocks_committed == 20
+    cache.free()
+
+
+def test_defragment_maps_each_segment_as_one_chunk(stats: StatisticsDriver, device: str) -> None:
+    cache = make_cache(device, stats, chunk_bytes=get_driver(device).granularity(0, False))
+    for n in (1, 7, 30):
+        cache.commit(n)
+    assert max(len(buffer.buffer.chunks) for buffer, _ in cache.buffers) > 2
+    for buffer, _ in cache.buffers:
+        buffer.full_view()[:64].fill_(5)
+    cache.commit(30, defragment=True)
+    for buffer, per_block in cache.buffers:
+        assert len(buffer.buffer.chunks) <= buffer.num_segments
+        assert int(buffer.full_view()[:64].count_nonzero()) == 0, "defragment discards contents"
+        assert buffer.bytes_per_segment == 30 * per_block
+    cache.free()
+
+
+def test_add_commits_a_new_buffer_to_the_current_count(
+    stats: StatisticsDriver, device: str
+) -> None:
+    cache = make_cache(device, stats)
+    cache.commit(10)
+    extra = ExtensibleTensor(CAPACITY * 1000, device, driver=stats)
+    cache.add(extra, 1000)
+    assert extra.bytes_per_segment == 10_000
+    cache.commit(12)
+    assert extra.bytes_per_segment == 12_000
+    cache.free()
+
+
+def test_bad_input(stats: StatisticsDriver, device: str) -> None:
+    tensor = ExtensibleTensor(1000, device, driver=stats)
+    with pytest.raises(ValueError, match="must be positive"):
+        KVCacheBuffers([(tensor, 10)], 0)
+    with pytest.raises(ValueError, match="exceed the segment capacity"):
+        KVCacheBuffers([(tensor, 11)], 100)
+    with pytest.raises(ValueError, match="bytes_per_block_per_segment must be positive"):
+        KVCacheBuffers([(tensor, 0)], 100)
+    cache = KVCacheBuffers([(tensor, 10)], 100)
+    with pytest.raises(ValueError, match="capacity is 100 blocks"):
+        cache.commit(101)
+    with pytest.raises(ValueError, match="capacity is 100 blocks"):
+        cache.commit(-1)
+    with pytest.raises(TypeError, match="num_blocks must be an int"):
+        cache.commit(2.0)  # type: ignore[arg-type]
+    assert cache.num_blocks_committed == 0
+    assert ExtensibleKVCacheBuffers is KVCacheBuffers
+    cache.free()
+
+
+# -- fault injection across buffers --------------------------------------------
+
+
+def snapshot(cache: KVCacheBuffers, stats: StatisticsDriver, data: bool = True) -> tuple[Any, ...]:
+    per_buffer = []
+    for buffer, _ in cache.buffers:
+        content = b""
+        if data and buffer.num_bytes:
+            full = buffer.full_view()
+            cap, n = buffer.segment_capacity_bytes, buffer.bytes_per_segment
+            content = b"".join(
+                bytes(full[i * cap : i * cap + n].cpu().tolist())
+                for i in range(buffer.num_segments)
+            )
+        per_buffer.append((buffer.bytes_per_segment, buffer.physical_bytes, content))
+    return (cache.num_blocks_committed, cache.released, per_buffer, stats.live)
+
+
+def filled(device: str) -> tuple[KVCacheBuffers, StatisticsDriver, FaultInjectingDriver]:
+    stats = StatisticsDriver(get_driver(device))
+    faulty = FaultInjectingDriver(stats)
+    cache = make_cache(device, faulty, chunk_bytes=get_driver(device).granularity(0, False))
+    cache.commit(9)
+    for i, (buffer, _) in enumerate(cache.buffers):
+        for segment in range(buffer.num_segments):
+            start = segment * buffer.segment_capacity_bytes
+            buffer.full_view()[start : start + buffer.bytes_per_segment].fill_(i + 1)
+    return cache, stats, faulty
+
+
+OPERATIONS: dict[str, Callable[[KVCacheBuffers], object]] = {
+    "commit": lambda c: c.commit(40),
+    "release": lambda c: c.release_physical(),
+    "recommit": lambda c: c.recommit(),
+    "defragment": lambda c: c.commit(40, defragment=True),
+}
+IRREVERSIBLE = {"release", "free_reserved"}
+
+
+def prepare(operation: str, cache: KVCacheBuffers) -> None:
+    if operation == "recommit":
+        cache.release_physical()
+
+
+@pytest.mark.parametrize("operation", sorted(OPERATIONS))
+def test_a_failure_at_any_call_of_any_buffer_leaves_every_buffer_as_it_was(
+    device: str, operation: str
+) -> None:
+    clean, clean_stats, _ = filled(device)
+    prepare(operation, clean)
+    before_calls = {n: s.calls for n, s in clean_stats.calls.items()}
+    OPERATIONS[operation](clean)
+    made = +Counter({n: s.calls - before_calls[n] for n, s in clean_stats.calls.items()})
+    expected = snapshot(clean, clean_stats, data=operation != "defragment")
+    clean.free()
+    # Defragmenting discards contents by contract: compare state, not bytes.
+    with_data = operation not in ("defragment",)
+    for call, count in sorted(made.items()):
+        for nth in range(1, count + 1):
+            case = f"{operation}: {call} #{nth} of {count}"
+            cache, stats, faulty = filled(device)
+            prepare(operation, cache)
+            before = snapshot(cache, stats, data=with_data)
+            faulty.fail_at(call, nth)
+            with pytest.raises(DriverError, match="injected"):
+                OPERATIONS[operation](cache)
+            if call not in IRREVERSIBLE:
+                assert snapshot(cache, stats, data=with_data) == before, case
+            OPERATIONS[operation](cache)
+            assert snapshot(cache, stats, data=with_data) == expected, case
+            cache.free()
+            assert stats.live == LiveUsage(), case
+
+
+# -- the stateful machine ---------------------------------------------------------
+
+
+class KVMachine(RuleBasedStateMachine):
+    """KVCacheBuffers against a block-level model: per buffer, segment and
+    block, the byte value it must read (None: unknown)."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = StatisticsDriver(get_driver(self.device))
+        self.cache = make_cache(self.device, self.stats)
+        self.committed = 0
+        self.asleep_at: int | None = None
+        # model[(buffer, segment, block)] = value
+        self.model: dict[tuple[int, int, int], int] = {}
+
+    def _zero_blocks(self, start: int, end: int) -> None:
+        for b, (buffer, _) in enumerate(self.cache.buffers):
+            for s in range(buffer.num_segments):
+                for i in range(start, end):
+                    self.model[(b, s, i)] = 0
+
+    @precondition(lambda self: self.asleep_at is None)
+    @rule(n=st.integers(0, CAPACITY), defragment=st.booleans())
+    def commit(self, n: int, defragment: bool) -> None:
+        self.cache.commit(n, defragment=defragment)
+        if n > self.committed:
+            self._zero_blocks(self.committed, n)
+            self.committed = n
+        if defragment:
+            self._zero_blocks(0, self.committed)
+
+    @precondition(lambda self: self.asleep_at is None)
+    @rule(n=st.integers(0, 3 * CAPACITY))
+    def ensure(self, n: int) -> None:
+        self.cache.ensure_blocks(n)
+        target = min(n, CAPACITY)
+        if target > self.committed:
+            self._zero_blocks(self.committed, target)
+            self.committed = target
+
+    @precondition(lambda self: self.asleep_at is None and self.committed > 0)
+    @rule(data=st.data(), value=st.integers(1, 255))
+    def write(self, data: st.DataObject, value: int) -> None:
+        b = data.draw(st.integers(0, len(self.cache.buffers) - 1))
+        buffer, per_block = self.cache.buffers[b]
+        s = data.draw(st.integers(0, buffer.num_segments - 1))
+        i = data.draw(st.integers(0, self.committed - 1))
+        block(buffer, per_block, s, i).fill_(value)
+        self.model[(b, s, i)] = value
+
+    @rule()
+    def release(self) -> None:
+        self.cache.release_physical()
+        if self.asleep_at is None:
+            self.asleep_at = self.committed
+            self.committed = 0
+            self.model.clear()
+
+    @rule()
+    def recommit(self) -> None:
+        self.cache.recommit()
+        if self.asleep_at is not None:
+            self.committed, self.asleep_at = self.asleep_at, None
+            self._zero_blocks(0, self.committed)
+
+    @invariant()
+    def counts_match(self) -> None:
+        assert self.cache.num_blocks_committed == self.committed
+        assert self.cache.released == (self.asleep_at is not None)
+        for buffer, per_block in self.cache.buffers:
+            assert buffer.bytes_per_segment == self.committed * per_block
+        if self.asleep_at is not None:
+            assert self.cache.physical_bytes == 0
+            assert self.stats.live.handles == 0
+
+    @invariant()
+    def blocks_hold_their_values(self) -> None:
+        for (b, s, i), value in self.model.items():
+            buffer, per_block = self.cache.buffers[b]
+            content = block(buffer, per_block, s, i).cpu().numpy()
+            assert np.all(content == value), (b, s, i, value)
+
+    def teardown(self) -> None:
+        self.cache.free()
+        assert self.stats.live == LiveUsage()
+
+
+def test_kv_state_machine(device: str) -> None:
+    machine = type("KVMachineOn" + device.capitalize(), (KVMachine,), {"device": device})
+    run_state_machine_as_test(machine)
