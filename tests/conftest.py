@@ -15,29 +15,17 @@ from hypothesis import HealthCheck, settings
 from extensible_kv import StatisticsDriver, get_driver, unavailable_reason
 from extensible_kv.driver import Driver
 
-settings.register_profile(
-    "default",
-    max_examples=100,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "thorough",
-    max_examples=300,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-# The prepared GPU check runs every test twice (host and GPU) inside a few
-# minutes of lent device time.
-settings.register_profile(
-    "gpu-check",
-    max_examples=20,
-    stateful_step_count=20,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# (examples, steps per stateful run) per profile. "gpu-check" is for the
+# prepared GPU check, which runs every test twice inside lent device time.
+PROFILES = {"default": (100, 30), "thorough": (300, 50), "gpu-check": (20, 20)}
+for name, (examples, steps) in PROFILES.items():
+    settings.register_profile(
+        name,
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 DEVICES = ["cpu"] + (["cuda"] if unavailable_reason("cuda") is None else [])

@@ -141,28 +141,6 @@ def _check_coverage(config: Any, layers: Mapping[str, _Layer]) -> None:
         raise ValueError(f"layers not backed by any KV cache tensor: {', '.join(missing)}")
 
 
-def _layouts(
-    layer: _Layer, hybrid: bool, cache_dtype: str, capacity: int, row_bytes: int, offset: int
-) -> tuple[BlockLayout, ...]:
-    """A layer's layouts in a buffer of ``capacity`` blocks with that row."""
-    if is_mamba(layer.spec):
-        return tuple(
-            mamba_layouts(layer.spec, capacity=capacity, row_bytes=row_bytes, offset_bytes=offset)
-        )
-    geometry = attention_geometry(layer.backend, layer.spec, capacity, cache_dtype)
-    if hybrid:
-        geometry = geometry.block_major()
-    return (
-        place(
-            geometry, layer.spec.dtype, capacity=capacity, row_bytes=row_bytes, offset_bytes=offset
-        ),
-    )
-
-
-def _segments(layer: _Layer, hybrid: bool, cache_dtype: str) -> int:
-    return layer_segments(layer.spec, layer.backend, cache_dtype, hybrid)
-
-
 def allocate_kv_cache(
     config: Any,
     backends: Any,
@@ -192,124 +170,131 @@ def allocate_kv_cache(
         raise ValueError(f"num_blocks must be positive, got {capacity}")
     layers = _layers(config, backends)
     _check_coverage(config, layers)
-    hybrid = any(is_mamba(layer.spec) for layer in layers.values())
-    packed: dict[int, list[Any]] = defaultdict(list)
+    packed: dict[int, list[tuple[int, Any]]] = defaultdict(list)
     plain: list[tuple[int, Any]] = []
     for index, tensor in enumerate(config.kv_cache_tensors):
         if tensor.block_stride:
             packed[int(tensor.block_stride)].append((index, tensor))
         else:
             plain.append((index, tensor))
-
-    placements: dict[str, LayerPlacement] = {}
-    buffers: list[tuple[ExtensibleTensor, int]] = []
     make = {"device": device, "shareable": shareable, "driver": driver, "chunk_bytes": chunk_bytes}
+    builder = _Builder(layers, capacity, cache_dtype, make)
     try:
         for index, tensor in plain:
-            buffers.append(
-                _plain_buffer(
-                    index, tensor, layers, hybrid, cache_dtype, capacity, make, placements
-                )
-            )
+            builder.plain_buffer(index, tensor)
         for row_bytes, members in packed.items():
-            buffers.append(
-                _packed_buffer(
-                    row_bytes, members, layers, hybrid, cache_dtype, capacity, make, placements
-                )
-            )
-        cache = KVCacheBuffers(buffers, capacity)
+            builder.packed_buffer(row_bytes, members)
+        cache = KVCacheBuffers(builder.buffers, capacity)
         cache.commit(1)
     except BaseException:
-        for buffer, _ in buffers:
+        for buffer, _ in builder.buffers:
             buffer.free()
         raise
     views: dict[str, LayerView] = {}
-    for name, placement in placements.items():
+    for name, placement in builder.placements.items():
         full = placement.buffer.full_view()
         tensors = [layout.view(full) for layout in placement.layouts]
         views[name] = tensors if placement.mamba else tensors[0]
-    return KVCache(cache, views, placements)
+    return KVCache(cache, views, builder.placements)
 
 
-def _plain_buffer(
-    index: int,
-    tensor: Any,
-    layers: Mapping[str, _Layer],
-    hybrid: bool,
-    cache_dtype: str,
-    capacity: int,
-    make: dict[str, Any],
-    placements: dict[str, LayerPlacement],
-) -> tuple[ExtensibleTensor, int]:
-    if tensor.size % capacity:
-        raise ValueError(
-            f"KV cache tensor {index} has {tensor.size} bytes, not a multiple of "
-            f"num_blocks {capacity}"
-        )
-    sharing = [layers[name] for name in tensor.shared_by]
-    counts = {layer.name: _segments(layer, hybrid, cache_dtype) for layer in sharing}
-    if len(set(counts.values())) > 1:
-        listed = ", ".join(f"{name} has {n}" for name, n in counts.items())
-        raise ValueError(f"layers sharing KV cache tensor {index} disagree on segments: {listed}")
-    segments = next(iter(counts.values()))
-    bytes_per_block = tensor.size // capacity
-    if bytes_per_block % segments:
-        raise ValueError(
-            f"KV cache tensor {index}: {bytes_per_block} bytes per block do not split "
-            f"into {segments} segments"
-        )
-    row = bytes_per_block // segments
-    buffer = ExtensibleTensor(capacity * bytes_per_block, num_segments=segments, **make)
-    for layer in sharing:
-        try:
-            layouts = _layouts(layer, hybrid, cache_dtype, capacity, row, int(tensor.offset))
-        except ValueError as exc:
-            buffer.free()
-            raise ValueError(
-                f"layer {layer.name!r} does not fit KV cache tensor {index}: {exc}"
-            ) from None
-        placements[layer.name] = LayerPlacement(
-            buffer, layouts, packed=False, mamba=is_mamba(layer.spec)
-        )
-    return buffer, row
+class _Builder:
+    """Makes the buffers of one allocation and places its layers in them."""
 
+    def __init__(
+        self, layers: Mapping[str, _Layer], capacity: int, cache_dtype: str, make: dict[str, Any]
+    ) -> None:
+        self.layers = layers
+        self.capacity = capacity
+        self.cache_dtype = cache_dtype
+        self.make = make
+        self.hybrid = any(is_mamba(layer.spec) for layer in layers.values())
+        self.buffers: list[tuple[ExtensibleTensor, int]] = []
+        self.placements: dict[str, LayerPlacement] = {}
 
-def _packed_buffer(
-    row_bytes: int,
-    members: list[tuple[int, Any]],
-    layers: Mapping[str, _Layer],
-    hybrid: bool,
-    cache_dtype: str,
-    capacity: int,
-    make: dict[str, Any],
-    placements: dict[str, LayerPlacement],
-) -> tuple[ExtensibleTensor, int]:
-    for index, tensor in members:
-        for name in tensor.shared_by:
-            if _segments(layers[name], hybrid, cache_dtype) != 1:
-                raise ValueError(
-                    f"layer {name!r} of packed KV cache tensor {index} is not block-major "
-                    f"(its layout has several segments); packed rows need one segment"
+    def segments(self, name: str) -> int:
+        layer = self.layers[name]
+        return layer_segments(layer.spec, layer.backend, self.cache_dtype, self.hybrid)
+
+    def layouts(self, name: str, row_bytes: int, offset: int) -> tuple[BlockLayout, ...]:
+        """A layer's layouts in a buffer of ``capacity`` blocks with that row."""
+        layer = self.layers[name]
+        if is_mamba(layer.spec):
+            return tuple(
+                mamba_layouts(
+                    layer.spec, capacity=self.capacity, row_bytes=row_bytes, offset_bytes=offset
                 )
-    buffer = ExtensibleTensor(capacity * row_bytes, **make)
-    for index, tensor in members:
-        for name in tensor.shared_by:
-            try:
-                layouts = _layouts(
-                    layers[name], hybrid, cache_dtype, capacity, row_bytes, int(tensor.offset)
-                )
-            except ValueError as exc:
-                buffer.free()
-                raise ValueError(
-                    f"layer {name!r} does not fit packed KV cache tensor {index}: {exc}"
-                ) from None
-            if int(tensor.offset) + layers[name].spec.page_size_bytes > row_bytes:
-                buffer.free()
-                raise ValueError(
-                    f"layer {name!r} of packed KV cache tensor {index}: its page at offset "
-                    f"{tensor.offset} runs past the {row_bytes}-byte row"
-                )
-            placements[name] = LayerPlacement(
-                buffer, layouts, packed=True, mamba=is_mamba(layers[name].spec)
             )
-    return buffer, row_bytes
+        geometry = attention_geometry(layer.backend, layer.spec, self.capacity, self.cache_dtype)
+        if self.hybrid:
+            geometry = geometry.block_major()
+        return (
+            place(
+                geometry,
+                layer.spec.dtype,
+                capacity=self.capacity,
+                row_bytes=row_bytes,
+                offset_bytes=offset,
+            ),
+        )
+
+    def _place(
+        self, buffer: ExtensibleTensor, where: str, name: str, row: int, offset: int, packed: bool
+    ) -> None:
+        try:
+            layouts = self.layouts(name, row, offset)
+        except ValueError as exc:
+            raise ValueError(f"layer {name!r} does not fit {where}: {exc}") from None
+        mamba = is_mamba(self.layers[name].spec)
+        self.placements[name] = LayerPlacement(buffer, layouts, packed=packed, mamba=mamba)
+
+    def _add(self, buffer: ExtensibleTensor, row: int) -> None:
+        self.buffers.append((buffer, row))
+
+    def plain_buffer(self, index: int, tensor: Any) -> None:
+        """One buffer for one KV cache tensor and the layers sharing it."""
+        capacity = self.capacity
+        if tensor.size % capacity:
+            raise ValueError(
+                f"KV cache tensor {index} has {tensor.size} bytes, not a multiple of "
+                f"num_blocks {capacity}"
+            )
+        counts = {name: self.segments(name) for name in tensor.shared_by}
+        if len(set(counts.values())) > 1:
+            listed = ", ".join(f"{name} has {n}" for name, n in counts.items())
+            raise ValueError(
+                f"layers sharing KV cache tensor {index} disagree on segments: {listed}"
+            )
+        segments = next(iter(counts.values()))
+        bytes_per_block = tensor.size // capacity
+        if bytes_per_block % segments:
+            raise ValueError(
+                f"KV cache tensor {index}: {bytes_per_block} bytes per block do not split "
+                f"into {segments} segments"
+            )
+        row = bytes_per_block // segments
+        buffer = ExtensibleTensor(capacity * bytes_per_block, num_segments=segments, **self.make)
+        self._add(buffer, row)
+        for name in tensor.shared_by:
+            self._place(buffer, f"KV cache tensor {index}", name, row, int(tensor.offset), False)
+
+    def packed_buffer(self, row_bytes: int, members: list[tuple[int, Any]]) -> None:
+        """One single-segment buffer for every tensor packed into rows of that width."""
+        for index, tensor in members:
+            for name in tensor.shared_by:
+                if self.segments(name) != 1:
+                    raise ValueError(
+                        f"layer {name!r} of packed KV cache tensor {index} is not block-major "
+                        f"(its layout has several segments); packed rows need one segment"
+                    )
+                if int(tensor.offset) + self.layers[name].spec.page_size_bytes > row_bytes:
+                    raise ValueError(
+                        f"layer {name!r} of packed KV cache tensor {index}: its page at offset "
+                        f"{tensor.offset} runs past the {row_bytes}-byte row"
+                    )
+        buffer = ExtensibleTensor(self.capacity * row_bytes, **self.make)
+        self._add(buffer, row_bytes)
+        for index, tensor in members:
+            for name in tensor.shared_by:
+                where = f"packed KV cache tensor {index}"
+                self._place(buffer, where, name, row_bytes, int(tensor.offset), True)
