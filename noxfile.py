@@ -6,6 +6,8 @@ build when one is offered locally (as on our CI), else it downloads it.
 
 from __future__ import annotations
 
+import sys
+
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
@@ -54,8 +56,9 @@ def demo(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """The prepared check for a lent GPU machine (no downloads, no venv):
-    tests, benchmarks and a memcheck pass; see scripts/gpu_check.py."""
-    session.run("python3", "scripts/gpu_check.py", *session.posargs)
+    tests, benchmarks and a memcheck pass with the Python running nox (the
+    one that has torch there); see scripts/gpu_check.py."""
+    session.run(sys.executable, "scripts/gpu_check.py", *session.posargs)
 
 
 @nox.session
