@@ -191,8 +191,12 @@ def filled(device: str) -> tuple[KVCacheBuffers, StatisticsDriver, FaultInjectin
 OPERATIONS: dict[str, Callable[[KVCacheBuffers], object]] = {
     "commit": lambda c: c.commit(40),
     "release": lambda c: c.release_physical(),
+    "release-preserve": lambda c: c.release_physical(preserve=True),
     "recommit": lambda c: c.recommit(),
+    "recommit-preserve": lambda c: c.recommit(),
     "defragment": lambda c: c.commit(40, defragment=True),
+    "defragment-preserve": lambda c: c.defragment(preserve=True),
+    "trim": lambda c: c.trim(3),
 }
 IRREVERSIBLE = {"release", "free_reserved"}
 
@@ -200,6 +204,8 @@ IRREVERSIBLE = {"release", "free_reserved"}
 def prepare(operation: str, cache: KVCacheBuffers) -> None:
     if operation == "recommit":
         cache.release_physical()
+    elif operation == "recommit-preserve":
+        cache.release_physical(preserve=True)
 
 
 @pytest.mark.parametrize("operation", sorted(OPERATIONS))
@@ -214,7 +220,7 @@ def test_a_failure_at_any_call_of_any_buffer_leaves_every_buffer_as_it_was(
     expected = snapshot(clean, clean_stats, data=operation != "defragment")
     clean.free()
     # Defragmenting discards contents by contract: compare state, not bytes.
-    with_data = operation not in ("defragment",)
+    with_data = operation != "defragment"
     for call, count in sorted(made.items()):
         for nth in range(1, count + 1):
             case = f"{operation}: {call} #{nth} of {count}"
@@ -224,8 +230,15 @@ def test_a_failure_at_any_call_of_any_buffer_leaves_every_buffer_as_it_was(
             faulty.fail_at(call, nth)
             with pytest.raises(DriverError, match="injected"):
                 OPERATIONS[operation](cache)
-            if call not in IRREVERSIBLE:
-                assert snapshot(cache, stats, data=with_data) == before, case
+            after = snapshot(cache, stats, data=with_data)
+            if operation == "defragment-preserve":
+                # Runs already swapped in stay so; counts and bytes never change.
+                assert (after[0], [b[::2] for b in after[2]]) == (
+                    before[0],
+                    [b[::2] for b in before[2]],
+                ), case
+            elif call not in IRREVERSIBLE:
+                assert after == before, case
             OPERATIONS[operation](cache)
             assert snapshot(cache, stats, data=with_data) == expected, case
             cache.free()
@@ -249,6 +262,7 @@ class KVMachine(RuleBasedStateMachine):
         self.asleep_at: int | None = None
         # model[(buffer, segment, block)] = value
         self.model: dict[tuple[int, int, int], int] = {}
+        self.kept: dict[tuple[int, int, int], int] | None = None
 
     def _zero_blocks(self, start: int, end: int) -> None:
         for b, (buffer, _) in enumerate(self.cache.buffers):
@@ -285,20 +299,56 @@ class KVMachine(RuleBasedStateMachine):
         block(buffer, per_block, s, i).fill_(value)
         self.model[(b, s, i)] = value
 
-    @rule()
-    def release(self) -> None:
-        self.cache.release_physical()
+    @rule(preserve=st.booleans())
+    def release(self, preserve: bool) -> None:
+        self.cache.release_physical(preserve=preserve)
         if self.asleep_at is None:
             self.asleep_at = self.committed
             self.committed = 0
-            self.model.clear()
+            self.kept = dict(self.model) if preserve else None
+            self.model = {}
 
-    @rule()
-    def recommit(self) -> None:
-        self.cache.recommit()
+    @rule(keep_host_memory=st.booleans())
+    def recommit(self, keep_host_memory: bool) -> None:
+        self.cache.recommit(keep_host_memory=keep_host_memory)
         if self.asleep_at is not None:
             self.committed, self.asleep_at = self.asleep_at, None
             self._zero_blocks(0, self.committed)
+            if self.kept is not None:
+                self.model.update(self.kept)
+
+    @precondition(lambda self: self.asleep_at is None)
+    @rule(data=st.data())
+    def trim(self, data: st.DataObject) -> None:
+        n = data.draw(st.integers(0, self.committed))
+        self.cache.trim(n)
+        self.committed = n
+        self.model = {key: v for key, v in self.model.items() if key[2] < n}
+
+    @precondition(lambda self: self.asleep_at is None)
+    @rule()
+    def defragment_preserving(self) -> None:
+        self.cache.defragment(preserve=True)
+
+    @precondition(lambda self: self.asleep_at is None)
+    @rule(n=st.integers(0, CAPACITY))
+    def commit_in_background(self, n: int) -> None:
+        ticket = self.cache.commit_async(n).result()
+        ticket.wait()
+        if n > self.committed:
+            self._zero_blocks(self.committed, n)
+            self.committed = n
+
+    @invariant()
+    def physical_memory_is_the_minimum(self) -> None:
+        for buffer, per_block in self.cache.buffers:
+            granule = buffer.buffer.granularity
+            covering = set()
+            for seg in range(buffer.num_segments if self.committed else 0):
+                start = seg * buffer.segment_capacity_bytes
+                end = start + self.committed * per_block
+                covering |= set(range(start // granule, -(-end // granule)))
+            assert buffer.physical_bytes == granule * len(covering)
 
     @invariant()
     def counts_match(self) -> None:

@@ -135,15 +135,41 @@ def test_shrink_returns_whole_chunks_past_the_end(
     et.free()
 
 
-def test_shrink_keeps_a_straddling_chunk_whole(
+def test_shrink_maps_a_straddling_chunk_smaller_keeping_its_bytes(
     stats: StatisticsDriver, device: str, granularity: int
 ) -> None:
     et = make(stats, device, 4 * granularity)
-    et.resize_(4 * granularity)
-    assert et.shrink_per_segment_(granularity) == 0
-    assert et.physical_bytes == 4 * granularity
-    assert et.shrink_per_segment_(0) == 4 * granularity
+    base = et.base_ptr
+    view = et.resize_(4 * granularity)
+    pattern = torch.arange(granularity + 5, dtype=torch.int64).remainder(253).to(torch.uint8)
+    view[: granularity + 5] = pattern.to(view.device)
+    assert len(et.buffer.chunks) == 1
+    assert et.shrink_per_segment_(granularity + 5) == 2 * granularity
+    assert et.physical_bytes == 2 * granularity, "the minimum the granularity allows"
+    assert [(c.offset, c.size) for c in et.buffer.chunks] == [(0, 2 * granularity)]
+    assert et.base_ptr == base
+    assert torch.equal(view[: granularity + 5].cpu(), pattern)
+    assert et.shrink_per_segment_(0) == 2 * granularity
     assert et.physical_bytes == 0
+    et.free()
+
+
+def test_preserving_defragment_keeps_every_byte(
+    stats: StatisticsDriver, device: str, granularity: int
+) -> None:
+    cap = 4 * granularity + granularity // 2
+    et = make(stats, device, 2 * cap, num_segments=2, chunk_bytes=granularity)
+    full = et.full_view()
+    for size in (10, granularity + 10, 3 * granularity):
+        et.resize_per_segment_(size)
+    pattern = torch.arange(3 * granularity, dtype=torch.int64).remainder(251).to(torch.uint8)
+    full[: 3 * granularity] = pattern.to(full.device)
+    full[cap : cap + 3 * granularity] = pattern.flip(0).to(full.device)
+    assert len(et.buffer.chunks) > 2
+    et.defragment_(preserve=True)
+    assert len(et.buffer.chunks) == 2
+    assert torch.equal(full[: 3 * granularity].cpu(), pattern)
+    assert torch.equal(full[cap : cap + 3 * granularity].cpu(), pattern.flip(0))
     et.free()
 
 

@@ -21,6 +21,17 @@ _Span = tuple[int, int]
 
 
 @dataclass(frozen=True)
+class Remap:
+    """Chunks ``old``, covering ``[start, end)``, to be replaced by one chunk
+    per run of ``runs`` (``(offset, size)``, inside ``[start, end)``)."""
+
+    old: tuple[Chunk, ...]
+    start: int
+    end: int
+    runs: tuple[_Span, ...]
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One physical allocation mapped into the buffer.
 
@@ -281,6 +292,89 @@ class VirtualBuffer:
         """
         defragment_together([(self, ranges)])
 
+    # -- remapping with contents kept ------------------------------------------
+
+    def plan_remaps(self, keep: Iterable[tuple[int, int]], *, merge: bool) -> list[Remap]:
+        """Which chunks to map again, and how, so that exactly the granules
+        covering ``keep`` stay mapped (call :meth:`release_outside` first).
+
+        Each chunk whose granules are not all needed becomes the runs of
+        needed granules it holds; with ``merge`` every run of adjacent chunks
+        becomes one chunk per run of needed granules (defragmenting).
+        """
+        with self._lock:
+            self._check_usable()
+            needed = self._widened(list(keep))
+            groups = _runs_of_chunks(self._chunks) if merge else [[c] for c in self._chunks]
+            plans = []
+            for group in groups:
+                start, end = group[0].offset, group[-1].end
+                runs = [(lo, hi - lo) for lo, hi in needed.overlaps(start, end)]
+                if runs != [(c.offset, c.size) for c in group]:
+                    plans.append(Remap(tuple(group), start, end, tuple(runs)))
+            return plans
+
+    def stage(self, remap: Remap) -> VirtualBuffer:
+        """A scratch buffer holding the new chunks of ``remap``, mapped and
+        accessible at ``remap.start``-relative offsets, for the caller to copy
+        the live bytes into before :meth:`swap_in`. The caller frees it on error."""
+        scratch = VirtualBuffer(
+            remap.end - remap.start, self.driver, self.device, shareable=self.shareable
+        )
+        try:
+            runs = [(offset - remap.start, size) for offset, size in remap.runs]
+            commit_together([(scratch, runs)], whole_runs=True)
+        except BaseException:
+            scratch.free_quietly()
+            raise
+        return scratch
+
+    def swap_in(self, scratch: VirtualBuffer, remap: Remap) -> None:
+        """Replace ``remap.old`` by the chunks of ``scratch``, moved to ``remap.start``.
+
+        The memory moves, with its contents (nothing is copied here). All or
+        nothing until the old handles are released; then ``scratch`` is freed.
+        """
+        with hold_locks([self, scratch]):
+            self._check_usable()
+            moving = list(scratch._chunks)
+            self.driver.ensure_context(self.device)
+            scratch.driver.synchronize(scratch.device)
+            self._detach(remap.old)
+            moved: list[Chunk] = []
+            try:
+                for chunk in moving:
+                    scratch.driver.unmap(scratch.base_ptr + chunk.offset, chunk.size)
+                    here = Chunk(chunk.offset + remap.start, chunk.size, chunk.handle)
+                    try:
+                        self.driver.map(self.base_ptr + here.offset, here.size, here.handle)
+                    except BaseException:
+                        scratch._map_back([chunk])
+                        raise
+                    moved.append(here)
+                for lo, size in remap.runs:
+                    self.driver.set_access(self.base_ptr + lo, size, self.device)
+            except BaseException:
+                for here in moved:
+                    self.driver.unmap(self.base_ptr + here.offset, here.size)
+                    back = Chunk(here.offset - remap.start, here.size, here.handle)
+                    scratch._map_back([back])
+                self._reattach(remap.old)
+                raise
+            scratch._remove(moving)
+            self._add(moved)
+            self._release_unreleased()
+        scratch.free()
+
+    def free_quietly(self) -> None:
+        """:meth:`free`, logging instead of raising: for clean-up paths, where
+        a failure must not hide the error being handled. What could not be
+        returned is returned when the buffer is garbage-collected."""
+        try:
+            self.free()
+        except Exception:
+            logger.exception("freeing %r failed; it is retried when the buffer is dropped", self)
+
     def _detach(self, chunks: Sequence[Chunk]) -> None:
         """Unmap ``chunks`` (all or none), keeping their handles to release."""
         if not chunks:
@@ -357,8 +451,9 @@ class VirtualBuffer:
 
 
 @contextlib.contextmanager
-def _locked(buffers: Iterable[VirtualBuffer]) -> Iterator[None]:
-    """Hold the locks of ``buffers``, taken in one global order (no deadlock)."""
+def hold_locks(buffers: Iterable[VirtualBuffer]) -> Iterator[None]:
+    """Hold the locks of ``buffers``, taken in one global order, so that
+    threads locking overlapping sets of buffers cannot deadlock. Reentrant."""
     with contextlib.ExitStack() as stack:
         for buffer in sorted(set(buffers), key=id):
             stack.enter_context(buffer._lock)
@@ -376,7 +471,7 @@ def commit_together(
     of new granules is one chunk, whatever the buffers' ``chunk_bytes``.
     """
     requests = [(buffer, list(ranges)) for buffer, ranges in requests]
-    with _locked(buffer for buffer, _ in requests):
+    with hold_locks(buffer for buffer, _ in requests):
         plans = [buffer._plan(ranges, whole_runs) for buffer, ranges in requests]
         made: list[tuple[VirtualBuffer, list[Chunk]]] = []
         try:
@@ -401,7 +496,7 @@ def release_together(buffers: Sequence[VirtualBuffer]) -> int:
     are released; one whose release fails is kept, and released by the next
     call that changes its buffer. Returns the bytes released.
     """
-    with _locked(buffers):
+    with hold_locks(buffers):
         return _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
 
 
@@ -433,7 +528,7 @@ def defragment_together(
     """
     requests = [(buffer, list(ranges)) for buffer, ranges in requests]
     buffers = [buffer for buffer, _ in requests]
-    with _locked(buffers):
+    with hold_locks(buffers):
         for buffer, ranges in requests:
             buffer._plan(ranges, True)
         layouts = [_runs_of(buffer._chunks) for buffer in buffers]
@@ -449,15 +544,20 @@ def defragment_together(
             raise
 
 
+def _runs_of_chunks(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
+    """Chunks grouped into runs of adjacent ones."""
+    runs: list[list[Chunk]] = []
+    for chunk in chunks:
+        if runs and runs[-1][-1].end == chunk.offset:
+            runs[-1].append(chunk)
+        else:
+            runs.append([chunk])
+    return runs
+
+
 def _runs_of(chunks: Sequence[Chunk]) -> list[list[_Span]]:
     """Chunks grouped into runs of adjacent ones, as a plan for _map_chunks."""
-    runs: list[list[_Span]] = []
-    for chunk in chunks:
-        if runs and runs[-1][-1][0] + runs[-1][-1][1] == chunk.offset:
-            runs[-1].append((chunk.offset, chunk.size))
-        else:
-            runs.append([(chunk.offset, chunk.size)])
-    return runs
+    return [[(c.offset, c.size) for c in run] for run in _runs_of_chunks(chunks)]
 
 
 def _teardown(

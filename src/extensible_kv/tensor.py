@@ -14,9 +14,11 @@ import torch
 
 from extensible_kv._checks import check_int
 from extensible_kv.buffer import (
+    Remap,
     VirtualBuffer,
     commit_together,
     defragment_together,
+    hold_locks,
     release_together,
 )
 from extensible_kv.dlpack import ByteView, as_tensor
@@ -216,12 +218,19 @@ class ExtensibleTensor:
     # -- giving memory back ---------------------------------------------------
 
     def shrink_per_segment_(self, bytes_per_segment: int) -> int:
-        """Cut every segment's committed prefix to ``bytes_per_segment`` bytes.
+        """Cut every segment's committed prefix to ``bytes_per_segment`` bytes
+        and give back the physical memory past it.
 
-        Chunks holding no committed byte are returned to the driver; a chunk
-        straddling the new end stays whole and shows in :attr:`physical_bytes`.
-        Returns the physical bytes released.
+        Chunks holding no committed byte are released; a chunk straddling the
+        new end is mapped again smaller (its live bytes copied into a new
+        chunk that takes its place under the same addresses), so
+        :attr:`physical_bytes` ends at the minimum the granularity allows.
+        Returns the physical bytes given back.
         """
+        with self._buffer._lock:
+            return self._shrink(bytes_per_segment)
+
+    def _shrink(self, bytes_per_segment: int) -> int:
         self._check_alive("shrink_per_segment_")
         check_int("bytes_per_segment", bytes_per_segment)
         old = self._bytes_per_segment
@@ -233,8 +242,9 @@ class ExtensibleTensor:
                 f"bytes per segment; use resize_per_segment_"
             )
         physical = self._buffer.physical_bytes
+        keep = self._segment_ranges(0, bytes_per_segment)
         try:
-            released = self._buffer.release_outside(self._segment_ranges(0, bytes_per_segment))
+            self._buffer.release_outside(keep)
         except BaseException:
             # The unmapping is all or nothing; a failure after it (releasing
             # handles, retried later) still leaves the prefix cut.
@@ -242,7 +252,35 @@ class ExtensibleTensor:
                 self._bytes_per_segment = bytes_per_segment
             raise
         self._bytes_per_segment = bytes_per_segment
-        return released
+        self._remap(keep, merge=False)
+        return physical - self._buffer.physical_bytes
+
+    def _remap(self, keep: list[tuple[int, int]], *, merge: bool) -> None:
+        """Map again the chunks holding granules ``keep`` does not need (or,
+        with ``merge``, every run of chunks as one), contents kept.
+
+        Every new chunk is first mapped at a scratch reservation and filled
+        by a device copy; only when all are made (where running out of memory
+        would fail) is each swapped in under the same addresses. A failure
+        while swapping leaves the chunks swapped so far in place, contents
+        intact either way.
+        """
+        staged: list[tuple[Remap, VirtualBuffer]] = []
+        try:
+            for remap in self._buffer.plan_remaps(keep, merge=merge):
+                scratch = self._buffer.stage(remap)
+                staged.append((remap, scratch))
+                for offset, size in remap.runs:
+                    target = as_tensor(scratch, offset - remap.start, size)
+                    target.copy_(as_tensor(self._buffer, offset, size))
+                    del target
+            while staged:
+                remap, scratch = staged[0]
+                self._buffer.swap_in(scratch, remap)
+                staged.pop(0)
+        finally:
+            for _, scratch in staged:
+                scratch.free_quietly()
 
     def release_physical(self) -> None:
         """Release all physical memory, keeping the address range and views.
@@ -252,12 +290,18 @@ class ExtensibleTensor:
         """
         release_physical_all([self])
 
-    def defragment_(self) -> None:
-        """Map each segment's committed prefix again as one chunk; contents are
-        discarded (they read as zero after). KV connectors need this before
-        registering memory: UCX cannot transfer a region spanning several
-        physical allocations."""
-        defragment_all([self])
+    def defragment_(self, preserve: bool = False) -> None:
+        """Map each segment's committed prefix again as one chunk.
+
+        KV connectors need this before registering memory: UCX cannot
+        transfer a region spanning several physical allocations. Without
+        ``preserve`` contents are discarded (they read as zero after) and the
+        old memory goes before the new is made. With ``preserve`` every
+        committed byte is kept: each new chunk is mapped at a scratch
+        reservation, filled by a device copy and swapped in, so old and new
+        memory coexist for a moment (up to twice the committed bytes).
+        """
+        defragment_all([self], preserve=preserve)
 
     def free(self) -> None:
         """Release the memory now and the address range once no view is left.
@@ -340,12 +384,13 @@ def resize_per_segment_all(
     Like :meth:`ExtensibleTensor.resize_per_segment_` on each, but if any
     driver call fails no tensor has grown.
     """
-    plans = [(tensor, n, *tensor._grow_plan(n, zero_new)) for tensor, n in items]
-    commit_together([(tensor._buffer, ranges) for tensor, _, ranges, _ in plans])
-    for tensor, n, ranges, to_zero in plans:
-        if ranges:
-            tensor._bytes_per_segment = n
-        tensor._zero(to_zero)
+    with hold_locks(tensor._buffer for tensor, _ in items):
+        plans = [(tensor, n, *tensor._grow_plan(n, zero_new)) for tensor, n in items]
+        commit_together([(tensor._buffer, ranges) for tensor, _, ranges, _ in plans])
+        for tensor, n, ranges, to_zero in plans:
+            if ranges:
+                tensor._bytes_per_segment = n
+            tensor._zero(to_zero)
 
 
 def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:
@@ -354,25 +399,39 @@ def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:
     See :func:`~extensible_kv.buffer.release_together` for what a failure
     while releasing handles leaves (a retry finishes it).
     """
-    for tensor in tensors:
-        tensor._check_alive("release_physical")
-    try:
-        release_together([tensor._buffer for tensor in tensors])
-    finally:
+    with hold_locks(tensor._buffer for tensor in tensors):
         for tensor in tensors:
-            if tensor._buffer.physical_bytes == 0:
-                tensor._bytes_per_segment = 0
+            tensor._check_alive("release_physical")
+        try:
+            release_together([tensor._buffer for tensor in tensors])
+        finally:
+            for tensor in tensors:
+                if tensor._buffer.physical_bytes == 0:
+                    tensor._bytes_per_segment = 0
 
 
-def defragment_all(tensors: Sequence[ExtensibleTensor]) -> None:
-    """:meth:`ExtensibleTensor.defragment_` on several tensors, all or nothing.
+def defragment_all(tensors: Sequence[ExtensibleTensor], *, preserve: bool = False) -> None:
+    """:meth:`ExtensibleTensor.defragment_` on several tensors.
 
-    If the new chunks cannot be made, each tensor keeps its committed size on
-    its previous chunk layout, zeroed, and the error propagates.
+    Discarding: all or nothing; if the new chunks cannot be made, each tensor
+    keeps its committed size on its previous chunk layout, zeroed, and the
+    error propagates. Preserving: one tensor after another; contents are
+    kept whatever fails, and if making the new chunks fails (out of memory)
+    that tensor is as it was.
     """
+    with hold_locks(tensor._buffer for tensor in tensors):
+        _defragment(tensors, preserve)
+
+
+def _defragment(tensors: Sequence[ExtensibleTensor], preserve: bool) -> None:
     for tensor in tensors:
         tensor._check_alive("defragment_")
     prefixes = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
+    if preserve:
+        for tensor, ranges in zip(tensors, prefixes, strict=True):
+            tensor._buffer.release_outside(ranges)
+            tensor._remap(ranges, merge=True)
+        return
     layouts = [tensor._buffer.chunks for tensor in tensors]
     try:
         defragment_together([(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)])

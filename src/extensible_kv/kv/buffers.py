@@ -2,15 +2,59 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
+
+import torch
 
 from extensible_kv._checks import check_int
+from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
     defragment_all,
     release_physical_all,
     resize_per_segment_all,
 )
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _serialized(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run a public method after the commits queued by ``commit_async`` and
+    under the cache's lock. Internal calls use the undecorated bodies, so
+    nothing waits while holding the lock."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        cache = args[0]
+        assert isinstance(cache, KVCacheBuffers)
+        cache._wait_for_queued()
+        with cache._lock:
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+@dataclass(frozen=True)
+class CommitTicket:
+    """The outcome of :meth:`KVCacheBuffers.commit_async`.
+
+    ``event`` (GPU only) is recorded after the zeroing of the new blocks, on
+    the cache's commit stream; :meth:`wait` makes a stream wait for it.
+    """
+
+    num_blocks: int
+    event: torch.cuda.Event | None
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the zeroing."""
+        if self.event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.event)
 
 
 class KVCacheBuffers:
@@ -38,6 +82,12 @@ class KVCacheBuffers:
         self.buffers: list[tuple[ExtensibleTensor, int]] = []
         self._committed = 0
         self._asleep_at: int | None = None
+        self._backup: HostBackup | None = None
+        self._spare: HostBackup | None = None
+        self._lock = threading.RLock()
+        self._queue: ThreadPoolExecutor | None = None
+        self._queued: Future[CommitTicket] | None = None
+        self._commit_stream: torch.cuda.Stream | None = None
         for buffer, bytes_per_block in buffers:
             self._check_buffer(buffer, bytes_per_block)
             self.buffers.append((buffer, bytes_per_block))
@@ -90,6 +140,7 @@ class KVCacheBuffers:
 
     # -- growth -----------------------------------------------------------------
 
+    @_serialized
     def add(self, buffer: ExtensibleTensor, bytes_per_block_per_segment: int) -> None:
         """Take one more buffer (e.g. a draft model's KV) into the lockstep;
         it is committed to the current block count, zeroed."""
@@ -98,6 +149,7 @@ class KVCacheBuffers:
         buffer.resize_per_segment_(self._committed * bytes_per_block_per_segment, zero_new=True)
         self.buffers.append((buffer, bytes_per_block_per_segment))
 
+    @_serialized
     def commit(self, num_blocks: int, defragment: bool = False) -> None:
         """Back the first ``num_blocks`` blocks of every buffer; new blocks read zero.
 
@@ -106,6 +158,9 @@ class KVCacheBuffers:
         as one physical chunk, and its contents are discarded (zeroed), as
         KV connectors need before they register memory.
         """
+        self._commit(num_blocks, defragment)
+
+    def _commit(self, num_blocks: int, defragment: bool = False) -> None:
         self._check_awake("commit()")
         check_int("num_blocks", num_blocks)
         if not 0 <= num_blocks <= self.num_blocks_capacity:
@@ -129,13 +184,66 @@ class KVCacheBuffers:
             buffer.shrink_per_segment_(num_blocks * per_block)
         self._committed = num_blocks
 
-    def _grow(self, num_blocks: int) -> None:
+    def _grow(self, num_blocks: int, zero_new: bool = True) -> None:
         resize_per_segment_all(
             [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers],
-            zero_new=True,
+            zero_new=zero_new,
         )
         self._committed = num_blocks
 
+    def _regions(self, num_blocks: int) -> list[torch.Tensor]:
+        """The first ``num_blocks`` blocks of every segment of every buffer, as bytes."""
+        regions = []
+        for buffer, per_block in self.buffers:
+            full = buffer.full_view()
+            for segment in range(buffer.num_segments):
+                start = segment * buffer.segment_capacity_bytes
+                regions.append(full[start : start + num_blocks * per_block])
+        return regions
+
+    @_serialized
+    def trim(self, num_blocks: int) -> None:
+        """Give back the memory past the first ``num_blocks`` blocks.
+
+        Blocks past the new count are discarded; a chunk straddling the new
+        end is mapped again smaller with its live blocks kept, so
+        :attr:`physical_bytes` ends at the minimum the granularity allows.
+        If a buffer fails, those already trimmed grow back (their blocks past
+        ``num_blocks`` then read zero) and the count stays.
+        """
+        self._check_awake("trim()")
+        check_int("num_blocks", num_blocks)
+        if not 0 <= num_blocks <= self._committed:
+            raise ValueError(
+                f"trim keeps 0 to {self._committed} blocks (the committed count), "
+                f"not {num_blocks}; commit() grows"
+            )
+        done: list[tuple[ExtensibleTensor, int]] = []
+        try:
+            for buffer, per_block in self.buffers:
+                buffer.shrink_per_segment_(num_blocks * per_block)
+                done.append((buffer, per_block))
+        except BaseException:
+            regrow = [(b, self._committed * per_block) for b, per_block in done]
+            resize_per_segment_all(regrow, zero_new=True)
+            raise
+        self._committed = num_blocks
+
+    @_serialized
+    def defragment(self, preserve: bool = True) -> None:
+        """Map each segment's committed prefix again as one physical chunk.
+
+        With ``preserve`` (the default) every committed block keeps its
+        contents; old and new memory coexist for a moment, one buffer at a
+        time. Without, contents are discarded, as ``commit(n, defragment=True)``.
+        """
+        self._check_awake("defragment()")
+        if preserve:
+            defragment_all([buffer for buffer, _ in self.buffers], preserve=True)
+        else:
+            self._commit(self._committed, defragment=True)
+
+    @_serialized
     def ensure_blocks(self, num_blocks: int) -> None:
         """Commit at least ``num_blocks`` blocks, capped at the capacity.
 
@@ -143,21 +251,80 @@ class KVCacheBuffers:
         about to touch.
         """
         check_int("num_blocks", num_blocks)
-        self.commit(min(num_blocks, self.num_blocks_capacity))
+        self._commit(min(num_blocks, self.num_blocks_capacity))
+
+    # -- background commit -------------------------------------------------------
+
+    def commit_async(self, num_blocks: int) -> Future[CommitTicket]:
+        """Commit ``num_blocks`` on a worker thread, so that the driver calls
+        overlap the caller's compute (vAttention's idea).
+
+        One worker per cache runs queued commits in order; every other
+        method first waits for them, so calls stay ordered as issued. On a
+        GPU the new blocks are zeroed on the cache's commit stream: before
+        kernels touch them, call ``future.result().wait()`` (or make the
+        stream wait on the ticket's event). Errors surface in the future.
+        """
+        check_int("num_blocks", num_blocks)
+        with self._lock:
+            if self._queue is None:
+                self._queue = ThreadPoolExecutor(1, thread_name_prefix="extensible-kv-commit")
+            future = self._queue.submit(self._commit_job, num_blocks)
+            self._queued = future
+        return future
+
+    def _commit_job(self, num_blocks: int) -> CommitTicket:
+        with self._lock:
+            device = self.buffers[0][0].device if self.buffers else torch.device("cpu")
+            if device.type != "cuda":
+                self._commit(num_blocks)
+                return CommitTicket(num_blocks, None)
+            if self._commit_stream is None:
+                self._commit_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(self._commit_stream):
+                self._commit(num_blocks)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self._commit_stream)
+            return CommitTicket(num_blocks, event)
+
+    def _wait_for_queued(self) -> None:
+        """Wait until the commits queued so far have run (their errors stay
+        in their futures). The worker itself never waits."""
+        queued = self._queued
+        if queued is not None and not threading.current_thread().name.startswith(
+            "extensible-kv-commit"
+        ):
+            queued.exception()
 
     # -- sleep and wake ---------------------------------------------------------
 
-    def release_physical(self) -> None:
-        """Sleep: give every byte of physical memory back, contents discarded.
+    @_serialized
+    def release_physical(
+        self, preserve: bool = False, *, staging_bytes: int = DEFAULT_STAGING_BYTES
+    ) -> None:
+        """Sleep: give every byte of physical memory back.
 
         Addresses, views and captured graphs stay valid; touching the blocks
-        before :meth:`recommit` is a device fault. Idempotent.
+        before :meth:`recommit` is a device fault. With ``preserve`` the
+        committed blocks are first copied to host memory (on a GPU through a
+        pinned ring of ``2 * staging_bytes``) and :meth:`recommit` restores
+        them, so a prefix cache survives the sleep; otherwise contents are
+        discarded. Idempotent.
         """
+        if self._asleep_at is None and preserve:
+            self._backup = HostBackup.capture(
+                self._regions(self._committed), staging_bytes=staging_bytes, reuse=self._spare
+            )
+            self._spare = None
         committed = self._committed if self._asleep_at is None else self._asleep_at
         try:
             # Called again while asleep, this still releases any handle a
             # failed release left behind.
             release_physical_all([buffer for buffer, _ in self.buffers])
+        except BaseException:
+            if self._asleep_at is None and any(b.physical_bytes for b, _ in self.buffers):
+                self._backup = None
+            raise
         finally:
             # Unmapping is all or nothing; if it happened, the cache sleeps
             # even when releasing a handle failed (a second call retries it).
@@ -165,21 +332,44 @@ class KVCacheBuffers:
                 self._asleep_at = committed
                 self._committed = 0
 
-    def recommit(self) -> None:
-        """Wake: commit the block count held before :meth:`release_physical`,
-        zeroed. Does nothing when awake."""
+    @_serialized
+    def recommit(
+        self, *, keep_host_memory: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES
+    ) -> None:
+        """Wake: commit the block count held before :meth:`release_physical`.
+
+        Blocks read zero, or, after a preserving release, what they held. The
+        host copy is then dropped (its memory goes back to the OS) unless
+        ``keep_host_memory``, which keeps it for the next preserving sleep.
+        Does nothing when awake.
+        """
         if self._asleep_at is None:
             return
-        self._grow(self._asleep_at)
+        backup = self._backup
+        self._grow(self._asleep_at, zero_new=backup is None)
         self._asleep_at = None
+        if backup is not None:
+            backup.restore(self._regions(self._committed), staging_bytes=staging_bytes)
+            self._backup = None
+            self._spare = backup if keep_host_memory else None
 
+    @property
+    def host_backup_bytes(self) -> int:
+        """Host memory held for a preserving sleep (while asleep, or kept)."""
+        return sum(b.nbytes for b in (self._backup, self._spare) if b is not None)
+
+    @_serialized
     def free(self) -> None:
         """Return all memory and, once their views are gone, the address ranges."""
+        if self._queue is not None:
+            self._queue.shutdown(wait=True)
+            self._queue = None
         for buffer, _ in self.buffers:
             buffer.free()
         self.buffers = []
         self._committed = 0
         self._asleep_at = None
+        self._backup = self._spare = None
 
 
 #: vLLM's in-tree name.

@@ -1,0 +1,190 @@
+"""Beyond the in-tree cache: a sleep that keeps contents, trim, a preserving
+defragment, background commits and thread safety."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from extensible_kv import ExtensibleTensor, StatisticsDriver
+from extensible_kv.driver import LiveUsage, get_driver
+from extensible_kv.kv import KVCacheBuffers
+from extensible_kv.kv.backup import HostBackup
+
+MiB = 1 << 20
+
+
+def cache_of(
+    device: str, driver: StatisticsDriver, per_block: int, capacity: int = 64
+) -> KVCacheBuffers:
+    buffers = [
+        (
+            ExtensibleTensor(capacity * per_block * 2, device, num_segments=2, driver=driver),
+            per_block,
+        ),
+        (ExtensibleTensor(capacity * per_block, device, driver=driver), per_block),
+    ]
+    return KVCacheBuffers(buffers, capacity)
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def fill(cache: KVCacheBuffers) -> list[torch.Tensor]:
+    regions = cache._regions(cache.num_blocks_committed)
+    for i, region in enumerate(regions):
+        region.copy_(
+            torch.arange(region.numel(), dtype=torch.int64).add(i).remainder(251).to(torch.uint8)
+        )
+    return [region.clone() for region in regions]
+
+
+def test_a_preserving_sleep_keeps_every_committed_block(
+    stats: StatisticsDriver, device: str
+) -> None:
+    cache = cache_of(device, stats, 256 * 1024)
+    cache.commit(40)
+    expected = fill(cache)
+    cache.release_physical(preserve=True)
+    assert cache.physical_bytes == 0
+    assert cache.host_backup_bytes == 3 * 40 * 256 * 1024
+    cache.recommit()
+    for region, before in zip(cache._regions(40), expected, strict=True):
+        assert torch.equal(region, before)
+    assert cache.host_backup_bytes == 0
+    cache.free()
+
+
+def test_host_memory_goes_back_after_wake_unless_kept(stats: StatisticsDriver) -> None:
+    cache = cache_of("cpu", stats, MiB, capacity=64)
+    cache.commit(64)
+    fill(cache)
+    cache.release_physical(preserve=True)
+    asleep = rss()
+    cache.recommit()
+    cache.release_physical()
+    woken_and_released = rss()
+    assert asleep - woken_and_released >= 150 * MiB, "the 192 MiB host copy is returned"
+    cache.recommit()
+    cache.release_physical(preserve=True)
+    cache.recommit(keep_host_memory=True)
+    assert cache.host_backup_bytes == 192 * MiB
+    kept = cache._spare
+    cache.release_physical(preserve=True)
+    assert cache._backup is kept, "a kept copy is reused by the next sleep"
+    cache.recommit()
+    cache.free()
+
+
+def test_backups_refuse_regions_of_another_shape() -> None:
+    backup = HostBackup.capture([torch.zeros(10, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="differ"):
+        backup.restore([torch.zeros(11, dtype=torch.uint8)])
+
+
+def test_trim_keeps_the_prefix_and_gives_back_the_rest(
+    stats: StatisticsDriver, device: str
+) -> None:
+    granule = get_driver(device).granularity(0, False)
+    cache = cache_of(device, stats, granule // 4 + 512)
+    cache.commit(64)
+    expected = fill(cache)
+    cache.trim(9)
+    assert cache.num_blocks_committed == 9
+    for region, before in zip(cache._regions(9), expected, strict=True):
+        assert torch.equal(region, before[: region.numel()])
+    for buffer, per_block in cache.buffers:
+        covering = buffer.num_segments * -(-9 * per_block // granule)
+        assert buffer.physical_bytes == covering * granule
+    with pytest.raises(ValueError, match="trim keeps 0 to 9 blocks"):
+        cache.trim(10)
+    cache.release_physical()
+    with pytest.raises(ValueError, match="released"):
+        cache.trim(1)
+    cache.free()
+
+
+def test_preserving_defragment(stats: StatisticsDriver, device: str) -> None:
+    granule = get_driver(device).granularity(0, False)
+    buffers = [
+        (ExtensibleTensor(64 * granule, device, driver=stats, chunk_bytes=granule), granule // 2)
+    ]
+    cache = KVCacheBuffers(buffers, 64)
+    for n in (3, 17, 40):
+        cache.commit(n)
+    expected = fill(cache)
+    assert len(buffers[0][0].buffer.chunks) > 1
+    cache.defragment()
+    assert len(buffers[0][0].buffer.chunks) == 1
+    assert torch.equal(cache._regions(40)[0], expected[0])
+    cache.free()
+
+
+def test_background_commits_run_in_order(stats: StatisticsDriver, device: str) -> None:
+    cache = cache_of(device, stats, 64 * 1024)
+    futures = [cache.commit_async(n) for n in (5, 30, 12)]
+    cache.commit(8)  # waits for the queued commits first
+    assert [f.result().num_blocks for f in futures] == [5, 30, 12]
+    assert cache.num_blocks_committed == 30
+    futures[-1].result().wait()
+    bad = cache.commit_async(cache.num_blocks_capacity + 1)
+    assert isinstance(bad.exception(), ValueError)
+    cache.ensure_blocks(31)
+    assert cache.num_blocks_committed == 31
+    cache.free()
+
+
+def test_many_threads_leave_the_cache_consistent(stats: StatisticsDriver, device: str) -> None:
+    cache = cache_of(device, stats, 96 * 1024)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(40):
+                op = rng.choice(["commit", "ensure", "async", "release", "recommit", "trim"])
+                n = rng.randint(0, cache.num_blocks_capacity)
+                try:
+                    if op == "commit":
+                        cache.commit(n)
+                    elif op == "ensure":
+                        cache.ensure_blocks(n)
+                    elif op == "async":
+                        cache.commit_async(n).result()
+                    elif op == "release":
+                        cache.release_physical(preserve=rng.random() < 0.5)
+                    elif op == "recommit":
+                        cache.recommit()
+                    else:
+                        cache.trim(min(n, cache.num_blocks_committed))
+                except ValueError as exc:
+                    # Races make some calls invalid when they run: a commit
+                    # while asleep, a trim past a count another thread cut.
+                    if "released" not in str(exc) and "trim keeps" not in str(exc):
+                        raise
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    cache.recommit()
+    committed = cache.num_blocks_committed
+    for buffer, per_block in cache.buffers:
+        assert buffer.bytes_per_segment == committed * per_block
+    live = stats.live
+    assert live.mapped_bytes == cache.physical_bytes
+    assert live.handles == live.mappings
+    cache.free()
+    assert stats.live == LiveUsage()
