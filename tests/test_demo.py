@@ -141,3 +141,28 @@ def test_example_script_runs() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "tokens match ordinary KV memory: True" in result.stdout
+
+
+def test_cli_demo_on_two_ranks_commits_the_smallest_proposal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(
+        [
+            "demo",
+            "--world-size",
+            "2",
+            "--device",
+            "cpu",
+            "--layers",
+            "2",
+            "--batch",
+            "2",
+            "--new-tokens",
+            "8",
+            "--capacity-blocks",
+            "256",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "every rank committed the smallest proposal" in out

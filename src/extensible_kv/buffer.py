@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -291,6 +292,61 @@ class VirtualBuffer:
         See :func:`defragment_together`.
         """
         defragment_together([(self, ranges)])
+
+    # -- sharing ----------------------------------------------------------------
+
+    def export_chunks(self) -> list[tuple[Chunk, int]]:
+        """Every chunk with a new file descriptor for its memory (the caller
+        owns and closes them). Needs a buffer made ``shareable``."""
+        with self._lock:
+            self._check_usable()
+            if not self.shareable:
+                raise ValueError("only a buffer created with shareable=True can be exported")
+            exported: list[tuple[Chunk, int]] = []
+            try:
+                for chunk in self._chunks:
+                    exported.append((chunk, self.driver.export_handle(chunk.handle)))
+            except BaseException:
+                for _, fd in exported:
+                    os.close(fd)
+                raise
+            return exported
+
+    def map_imported(self, chunks: Sequence[tuple[int, int, int]]) -> None:
+        """Map memory another process exported: ``(offset, size, fd)`` per
+        chunk, into unmapped granules of this buffer. The fds stay the
+        caller's. All or nothing."""
+        with self._lock:
+            self._check_usable()
+            for offset, size, _ in chunks:
+                if offset % self.granularity or size % self.granularity or size <= 0:
+                    raise ValueError(
+                        f"imported chunk (offset={offset}, size={size}) is not made of whole "
+                        f"{self.granularity}-byte granules"
+                    )
+                if offset + size > self.size or self._mapped.overlaps(offset, offset + size):
+                    raise ValueError(
+                        f"imported chunk [{offset}, {offset + size}) does not fit an unmapped "
+                        f"part of the {self.size}-byte reservation"
+                    )
+            self.driver.ensure_context(self.device)
+            made: list[Chunk] = []
+            try:
+                for offset, size, fd in chunks:
+                    handle = self.driver.import_handle(fd)
+                    try:
+                        self.driver.map(self.base_ptr + offset, size, handle)
+                    except BaseException:
+                        self.driver.release(handle)
+                        raise
+                    made.append(Chunk(offset, size, handle))
+                for run in _runs_of_chunks(sorted(made, key=lambda c: c.offset)):
+                    start, end = run[0].offset, run[-1].end
+                    self.driver.set_access(self.base_ptr + start, end - start, self.device)
+            except BaseException:
+                self._unmap_and_release(made)
+                raise
+            self._add(made)
 
     # -- remapping with contents kept ------------------------------------------
 

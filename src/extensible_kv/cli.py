@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from extensible_kv.demo import FlowReport, FlowSettings, ModelConfig, run_flow
+from extensible_kv.demo import FlowReport, FlowSettings, ModelConfig, run_flow, run_ranks
 from extensible_kv.driver import get_driver, unavailable_reason
 from extensible_kv.driver.select import is_rocm
 
@@ -146,15 +146,9 @@ def _plot(report: FlowReport, path: Path) -> bool:
 
 def demo(args: argparse.Namespace) -> int:
     device = torch.device(args.device) if args.device else _best_device()
-    settings = FlowSettings(
-        model=ModelConfig(layers=args.layers),
-        batch=args.batch,
-        new_tokens=args.new_tokens,
-        capacity_blocks=args.capacity_blocks,
-        kv_budget_bytes=None if args.kv_budget_mib is None else args.kv_budget_mib * MiB,
-        memory_utilization=args.memory_utilization,
-        cuda_graph=False if args.no_graph else None,
-    )
+    settings = _settings(args)
+    if args.world_size > 1:
+        return _demo_ranks(args.world_size, settings, device)
     console.print(
         f"[bold]extensible-kv demo[/] on [bold]{device}[/]: a {args.layers}-layer paged decoder"
     )
@@ -197,6 +191,49 @@ def demo(args: argparse.Namespace) -> int:
     return 1
 
 
+def _settings(args: argparse.Namespace) -> FlowSettings:
+    return FlowSettings(
+        model=ModelConfig(layers=args.layers),
+        batch=args.batch,
+        new_tokens=args.new_tokens,
+        capacity_blocks=args.capacity_blocks,
+        kv_budget_bytes=None if args.kv_budget_mib is None else args.kv_budget_mib * MiB,
+        memory_utilization=args.memory_utilization,
+        cuda_graph=False if args.no_graph else None,
+    )
+
+
+def _demo_ranks(world_size: int, settings: FlowSettings, device: torch.device) -> int:
+    """The flow on tensor-parallel ranks: each sizes, all commit the minimum."""
+    enough_gpus = device.type == "cuda" and torch.cuda.device_count() >= world_size
+    device_type = "cuda" if enough_gpus else "cpu"
+    console.print(
+        f"[bold]extensible-kv demo[/] on {world_size} ranks ({device_type}, gloo); rank r sizes "
+        f"to a budget r/(2 x {world_size}) below the capacity, as if its device had less free"
+    )
+    reports = run_ranks(world_size, settings, device_type)
+    table = Table(title="rank agreement")
+    for column in ("rank", "device", "proposed blocks", "committed blocks", "tokens match"):
+        table.add_column(column)
+    for rank, report in enumerate(reports):
+        table.add_row(
+            str(rank),
+            report.device,
+            str(report.sizing.num_blocks),
+            str(report.num_blocks),
+            str(report.ok),
+        )
+    console.print(table)
+    smallest = min(report.sizing.num_blocks for report in reports)
+    if all(report.num_blocks == smallest and report.ok for report in reports):
+        console.print(
+            "[green]ok[/]: every rank committed the smallest proposal and its tokens match"
+        )
+        return 0
+    console.print("[red]MISMATCH[/]: ranks disagree or tokens differ")
+    return 1
+
+
 def _best_device() -> torch.device:
     if unavailable_reason("cuda") is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -224,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--memory-utilization", type=float, default=None, help="size to this share of the device"
     )
     d.add_argument("--no-graph", action="store_true", help="no CUDA graph on a GPU")
+    d.add_argument(
+        "--world-size", type=int, default=1, help="run as this many tensor-parallel ranks (gloo)"
+    )
     d.add_argument(
         "--out", type=Path, default=Path("extensible-kv-demo"), help="folder for the timeline"
     )

@@ -7,7 +7,9 @@ host (CPU) memory, and pluggable drivers.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -25,6 +27,27 @@ from extensible_kv.dlpack import ByteView, as_tensor
 from extensible_kv.driver import Driver, get_driver, parse_device
 
 _DLPACK_TYPES = {"cpu": (1,), "cuda": (2, 10)}
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """An exported tensor, without its memory: sizes in bytes, and the
+    chunks as ``(offset, size)``, one file descriptor each, in order."""
+
+    max_num_bytes: int
+    num_segments: int
+    bytes_per_segment: int
+    chunks: tuple[tuple[int, int], ...]
+    device: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SharedLayout:
+        data = json.loads(text)
+        data["chunks"] = tuple(tuple(chunk) for chunk in data["chunks"])
+        return cls(**data)
 
 
 def _default_device() -> torch.device:
@@ -315,6 +338,60 @@ class ExtensibleTensor:
         finally:
             if self._buffer.physical_bytes == 0:
                 self._bytes_per_segment = 0
+
+    # -- sharing --------------------------------------------------------------
+
+    @classmethod
+    def from_shared(
+        cls,
+        layout: SharedLayout,
+        fds: Sequence[int],
+        device: torch.device | str | int | None = None,
+        *,
+        driver: Driver | None = None,
+    ) -> ExtensibleTensor:
+        """A tensor over memory another process exported (see
+        :mod:`extensible_kv.share`), at an address range of this process's own.
+
+        Both processes read and write the same bytes. The fds stay the
+        caller's. Growing the result maps memory of this process only.
+        """
+        if len(fds) != len(layout.chunks):
+            raise ValueError(
+                f"{len(layout.chunks)} chunks need {len(layout.chunks)} fds, got {len(fds)}"
+            )
+        tensor = cls(
+            layout.max_num_bytes,
+            layout.device if device is None else device,
+            layout.num_segments,
+            shareable=True,
+            driver=driver,
+        )
+        try:
+            tensor._buffer.map_imported(
+                [(offset, size, fd) for (offset, size), fd in zip(layout.chunks, fds, strict=True)]
+            )
+        except BaseException:
+            tensor.free()
+            raise
+        tensor._bytes_per_segment = layout.bytes_per_segment
+        return tensor
+
+    def shared_layout(self) -> tuple[SharedLayout, list[int]]:
+        """What another process needs to map this tensor's committed memory:
+        the layout and one new fd per chunk (the caller closes them). Needs a
+        tensor created with ``shareable=True``."""
+        with self._buffer._lock:
+            self._check_alive("sharing")
+            exported = self._buffer.export_chunks()
+            layout = SharedLayout(
+                max_num_bytes=self._max_num_bytes,
+                num_segments=self._num_segments,
+                bytes_per_segment=self._bytes_per_segment,
+                chunks=tuple((chunk.offset, chunk.size) for chunk, _ in exported),
+                device=self._device.type,
+            )
+            return layout, [fd for _, fd in exported]
 
     # -- properties -----------------------------------------------------------
 

@@ -3,7 +3,8 @@
 1. Reserve the KV cache at an upper bound and commit one block.
 2. Warm up through ``ensure_blocks`` (and, on a GPU, capture the decode
    step in a CUDA graph over the cache's views).
-3. Measure what warm-up really used and size the cache; commit that.
+3. Measure what warm-up really used and size the cache; with several
+   tensor-parallel ranks, agree on the smallest count; commit that.
 4. Generate.
 5. Sleep (release all KV memory) and wake (commit it again, zeroed).
 6. Generate again, through the same views and the same graph.
@@ -16,12 +17,14 @@ reserved, committed and physical bytes.
 from __future__ import annotations
 
 import math
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from extensible_kv.demo.model import (
     ModelConfig,
@@ -39,6 +42,7 @@ from extensible_kv.kv import (
     KVSizing,
     KVSplitBackend,
     MemorySnapshot,
+    agree_num_blocks,
     allocate_kv_cache,
     size_kv_cache,
 )
@@ -97,6 +101,8 @@ class FlowReport:
     device: str
     cuda_graph: bool
     sizing: KVSizing
+    #: Blocks committed: the sizing's count, or the ranks' minimum.
+    num_blocks: int
     timeline: list[Phase]
     tokens: list[list[int]]
     tokens_after_wake: list[list[int]]
@@ -214,11 +220,13 @@ def run_flow(
             kv_budget_bytes=settings.kv_budget_bytes,
             memory_utilization=settings.memory_utilization,
         )
-        if sizing.num_blocks < needed:
+        num_blocks = agree_num_blocks(sizing.num_blocks)
+        if num_blocks < needed:
             raise RuntimeError(
-                f"{sizing.describe()}, fewer than the {needed} blocks generation needs"
+                f"{sizing.describe()}; {num_blocks} blocks are fewer than the {needed} "
+                f"generation needs"
             )
-        kv.buffers.commit(sizing.num_blocks)
+        kv.buffers.commit(num_blocks)
         timeline.mark("final commit")
 
         # 4. Generate.
@@ -242,7 +250,7 @@ def run_flow(
         torch.zeros(
             (
                 2,
-                sizing.num_blocks,
+                num_blocks,
                 settings.model.block_size,
                 settings.model.kv_heads,
                 settings.model.head_size,
@@ -261,7 +269,9 @@ def run_flow(
         progress,
         "reference",
     )
-    return FlowReport(str(device), use_graph, sizing, timeline.phases, tokens, again, reference)
+    return FlowReport(
+        str(device), use_graph, sizing, num_blocks, timeline.phases, tokens, again, reference
+    )
 
 
 def _generate(
@@ -283,3 +293,62 @@ def _generate(
         device=device,
         on_step=progress.advance,
     )
+
+
+def run_ranks(
+    world_size: int, settings: FlowSettings, device_type: str = "cpu"
+) -> list[FlowReport]:
+    """Run the flow on ``world_size`` processes joined by a gloo group, as
+    tensor-parallel ranks: each sizes its own cache, all commit the minimum.
+
+    To show the agreement, rank ``r`` sizes to a budget ``r / (2 *
+    world_size)`` smaller than the capacity, as if its device had less
+    free. Ranks use ``cuda:r`` where ``device_type`` is cuda, else the host.
+    """
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as folder:
+        rendezvous = f"file://{folder}/rendezvous"
+        ranks = [
+            context.Process(
+                target=_rank_main,
+                args=(rank, world_size, rendezvous, settings, device_type, results),
+            )
+            for rank in range(world_size)
+        ]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join()
+        reports: dict[int, FlowReport | str] = {}
+        while not results.empty():
+            rank, outcome = results.get()
+            reports[rank] = outcome
+    failures = {rank: r for rank, r in reports.items() if isinstance(r, str)}
+    if failures or len(reports) != world_size:
+        raise RuntimeError(f"ranks failed: {failures or 'some ranks reported nothing'}")
+    return [reports[rank] for rank in range(world_size)]  # type: ignore[misc]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    settings: FlowSettings,
+    device_type: str,
+    results: Any,
+) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
+        device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+        probe = kv_cache_config(settings.model, settings.capacity_blocks)
+        per_block = sum(t.size for t in probe.kv_cache_tensors) // settings.capacity_blocks
+        share = 1 - rank / (2 * world_size)
+        budget = int(settings.capacity_blocks * share) * per_block
+        report = run_flow(device, replace(settings, kv_budget_bytes=budget))
+        results.put((rank, report))
+    except BaseException as exc:
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

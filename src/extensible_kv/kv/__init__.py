@@ -7,8 +7,10 @@ from extensible_kv.kv.allocate import (
     allocate_kv_cache,
     narrow_to_num_blocks,
 )
-from extensible_kv.kv.buffers import ExtensibleKVCacheBuffers, KVCacheBuffers
+from extensible_kv.kv.backup import HostBackup
+from extensible_kv.kv.buffers import CommitTicket, ExtensibleKVCacheBuffers, KVCacheBuffers
 from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
+from extensible_kv.kv.ranks import agree_num_blocks
 from extensible_kv.kv.sizing import KVSizing, MemorySnapshot, size_kv_cache
 from extensible_kv.kv.spec import (
     AttentionBackend,
@@ -27,8 +29,10 @@ __all__ = [
     "AttentionSpec",
     "BlockLayout",
     "BlockMajorBackend",
+    "CommitTicket",
     "ExtensibleKVCacheBuffers",
     "Geometry",
+    "HostBackup",
     "KVCache",
     "KVCacheBuffers",
     "KVCacheConfig",
@@ -40,6 +44,7 @@ __all__ = [
     "LayerPlacement",
     "MambaSpec",
     "MemorySnapshot",
+    "agree_num_blocks",
     "allocate_kv_cache",
     "attention_geometry",
     "narrow_to_num_blocks",

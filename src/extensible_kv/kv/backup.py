@@ -10,9 +10,12 @@ host backend a backup is one plain copy.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
+
+from extensible_kv.tensor import ExtensibleTensor
 
 MiB = 1 << 20
 #: Bytes per staging slot; two slots make the ring.
@@ -20,10 +23,25 @@ DEFAULT_STAGING_BYTES = 64 * MiB
 
 
 class HostBackup:
-    """Host copies of device byte regions (uint8, 1-D), in order."""
+    """Host copies of device byte regions (uint8, 1-D), in order.
 
-    def __init__(self, copies: list[torch.Tensor]) -> None:
-        self.copies = copies
+    The copies live in one host-backend buffer: its pages arrive as
+    populated huge pages (several times faster than faulting in ordinary
+    pages on first write), and :meth:`free` hands them straight back to the
+    OS (no allocator holds on to them).
+    """
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        total = sum(sizes)
+        self._store = ExtensibleTensor(total, "cpu")
+        whole = self._store.resize_(total)
+        offsets = [0, *itertools.accumulate(sizes)]
+        self.copies = [whole[start:end] for start, end in itertools.pairwise(offsets)]
+
+    def free(self) -> None:
+        """Give the host memory back now."""
+        self.copies = []
+        self._store.free()
 
     @property
     def nbytes(self) -> int:
@@ -45,7 +63,9 @@ class HostBackup:
         if reuse is not None and reuse.fits(regions):
             backup = reuse
         else:
-            backup = cls([torch.empty(r.numel(), dtype=torch.uint8) for r in regions])
+            if reuse is not None:
+                reuse.free()
+            backup = cls([r.numel() for r in regions])
         if regions and regions[0].device.type == "cuda":
             _Ring(regions[0].device, staging_bytes).to_host(regions, backup.copies)
         else:

@@ -323,7 +323,7 @@ class KVCacheBuffers:
             release_physical_all([buffer for buffer, _ in self.buffers])
         except BaseException:
             if self._asleep_at is None and any(b.physical_bytes for b, _ in self.buffers):
-                self._backup = None
+                self._drop_backup()
             raise
         finally:
             # Unmapping is all or nothing; if it happened, the cache sleeps
@@ -351,7 +351,16 @@ class KVCacheBuffers:
         if backup is not None:
             backup.restore(self._regions(self._committed), staging_bytes=staging_bytes)
             self._backup = None
-            self._spare = backup if keep_host_memory else None
+            if keep_host_memory:
+                self._spare = backup
+            else:
+                backup.free()
+
+    def _drop_backup(self) -> None:
+        for backup in (self._backup, self._spare):
+            if backup is not None:
+                backup.free()
+        self._backup = self._spare = None
 
     @property
     def host_backup_bytes(self) -> int:
@@ -369,7 +378,7 @@ class KVCacheBuffers:
         self.buffers = []
         self._committed = 0
         self._asleep_at = None
-        self._backup = self._spare = None
+        self._drop_backup()
 
 
 #: vLLM's in-tree name.

@@ -1,0 +1,72 @@
+"""Sharing a buffer with another process over a Unix socket.
+
+The exporter sends the tensor's layout and one file descriptor per physical
+chunk (``SCM_RIGHTS``); the receiver maps the chunks at an address range of
+its own and sees the same bytes. The descriptors are the only way in: host
+memory is an anonymous memfd, GPU memory a POSIX-fd handle, neither has a
+name another process could open. Only buffers created ``shareable=True``
+can be sent.
+
+Wire format: an 8-byte big-endian length and the layout as JSON, then the
+descriptors in batches of at most 250 (the kernel's limit per message is
+253), each batch with a 4-byte count.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import torch
+
+from extensible_kv.driver import Driver
+from extensible_kv.tensor import ExtensibleTensor, SharedLayout
+
+_BATCH = 250
+
+
+def send_tensor(sock: socket.socket, tensor: ExtensibleTensor) -> None:
+    """Send ``tensor``'s layout and committed memory over a Unix socket."""
+    layout, fds = tensor.shared_layout()
+    try:
+        payload = layout.to_json().encode()
+        sock.sendall(struct.pack(">Q", len(payload)) + payload)
+        for start in range(0, len(fds), _BATCH):
+            batch = fds[start : start + _BATCH]
+            socket.send_fds(sock, [struct.pack(">I", len(batch))], batch)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        part = sock.recv(size - len(data))
+        if not part:
+            raise ConnectionError(f"the sender closed the socket {size - len(data)} bytes early")
+        data += part
+    return data
+
+
+def receive_tensor(
+    sock: socket.socket,
+    device: torch.device | str | int | None = None,
+    *,
+    driver: Driver | None = None,
+) -> ExtensibleTensor:
+    """Receive a tensor sent by :func:`send_tensor` and map its memory here."""
+    (length,) = struct.unpack(">Q", _receive_exactly(sock, 8))
+    layout = SharedLayout.from_json(_receive_exactly(sock, length).decode())
+    fds: list[int] = []
+    try:
+        while len(fds) < len(layout.chunks):
+            data, batch, _, _ = socket.recv_fds(sock, 4, _BATCH)
+            fds.extend(batch)
+            if len(data) != 4 or struct.unpack(">I", data)[0] != len(batch):
+                raise ConnectionError("a batch of file descriptors arrived incomplete")
+        return ExtensibleTensor.from_shared(layout, fds, device, driver=driver)
+    finally:
+        for fd in fds:
+            os.close(fd)
