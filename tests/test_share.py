@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import textwrap
 
 import pytest
 
-from extensible_kv import ExtensibleTensor, StatisticsDriver
+from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
+from extensible_kv.driver import LiveUsage, get_driver
 from extensible_kv.share import receive_tensor, send_tensor
 from extensible_kv.tensor import SharedLayout
 
@@ -110,3 +112,21 @@ def test_a_closed_socket_is_a_clear_error() -> None:
     with pytest.raises(ConnectionError, match="closed the socket"):
         receive_tensor(b)
     b.close()
+
+
+@pytest.mark.parametrize(("call", "nth"), [("import_handle", 2), ("map", 2), ("set_access", 1)])
+def test_a_failing_import_maps_nothing(device: str, granularity: int, call: str, nth: int) -> None:
+    exporter = ExtensibleTensor(4 * granularity, device, shareable=True, chunk_bytes=granularity)
+    exporter.resize_(3 * granularity)
+    layout, fds = exporter.shared_layout()
+    receiving = StatisticsDriver(get_driver(device))
+    faulty = FaultInjectingDriver(receiving)
+    faulty.fail_at(call, nth)
+    try:
+        with pytest.raises(DriverError, match="injected"):
+            ExtensibleTensor.from_shared(layout, fds, device, driver=faulty)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert receiving.live == LiveUsage()
+    exporter.free()
