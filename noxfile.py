@@ -40,7 +40,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on the library."""
     session.install(TORCH)
-    session.install("-e", ".", "mypy==2.4.1")
+    session.install("-e", ".[plot]", "mypy==2.4.1")
     session.run("mypy")
 
 

@@ -8,8 +8,9 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from extensible_kv._checks import check_int, round_up
 from extensible_kv.driver import Driver
@@ -506,14 +507,26 @@ class VirtualBuffer:
                     logger.exception("returning the address range of %r failed", self)
 
 
-@contextlib.contextmanager
-def hold_locks(buffers: Iterable[VirtualBuffer]) -> Iterator[None]:
+def hold_locks(buffers: Iterable[VirtualBuffer]) -> contextlib.AbstractContextManager[Any]:
     """Hold the locks of ``buffers``, taken in one global order, so that
     threads locking overlapping sets of buffers cannot deadlock. Reentrant."""
-    with contextlib.ExitStack() as stack:
-        for buffer in sorted(set(buffers), key=id):
-            stack.enter_context(buffer._lock)
-        yield
+    unique = sorted(set(buffers), key=id)
+    if len(unique) == 1:
+        # The common case, on every single-buffer call: the lock itself.
+        return unique[0]._lock
+    return _Locks(unique)
+
+
+class _Locks(contextlib.ExitStack):
+    def __init__(self, buffers: list[VirtualBuffer]) -> None:
+        super().__init__()
+        self._buffers = buffers
+
+    def __enter__(self) -> _Locks:
+        super().__enter__()
+        for buffer in self._buffers:
+            self.enter_context(buffer._lock)
+        return self
 
 
 def commit_together(

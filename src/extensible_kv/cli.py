@@ -1,4 +1,5 @@
-"""``extensible-kv probe | demo``: what this machine can do, and the runner flow."""
+"""``extensible-kv probe | demo | bench``: what this machine can do, the
+runner flow, and the benchmarks."""
 
 from __future__ import annotations
 
@@ -234,6 +235,37 @@ def _demo_ranks(world_size: int, settings: FlowSettings, device: torch.device) -
     return 1
 
 
+def bench(args: argparse.Namespace) -> int:
+    from extensible_kv.bench import BenchPlan, run, save
+    from extensible_kv.bench.report import tables
+
+    device = torch.device(args.device) if args.device else _best_device()
+    plan = BenchPlan.for_device(device, args.quick)
+    if args.repeats:
+        plan = BenchPlan(**(vars(plan) | {"repeats": args.repeats}))
+    console.print(f"[bold]extensible-kv bench[/] on [bold]{device}[/], {plan.repeats} repeats")
+    names = ("commit_vs_zeros", "growth", "sleep_wake", "view_access", "bookkeeping", "overhead")
+    with Progress(
+        TextColumn("{task.description:<18}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("starting", total=len(names))
+
+        def advance(name: str) -> None:
+            progress.update(task, description=name, completed=names.index(name))
+
+        results = run(device, plan, advance)
+        progress.update(task, description="done", completed=len(names))
+    for table in tables(results):
+        console.print(table)
+    files = save(results, args.out)
+    console.print("written: " + ", ".join(str(path) for path in files))
+    return 0
+
+
 def _best_device() -> torch.device:
     if unavailable_reason("cuda") is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -268,6 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", type=Path, default=Path("extensible-kv-demo"), help="folder for the timeline"
     )
     d.set_defaults(run=demo)
+    b = commands.add_parser("bench", help="benchmarks against the baselines, as ratios")
+    b.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: GPU if usable)")
+    b.add_argument("--repeats", type=int, default=None, help="repeats per measurement")
+    b.add_argument("--quick", action="store_true", help="small sizes (seconds, for a smoke test)")
+    b.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG"
+    )
+    b.set_defaults(run=bench)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -44,11 +44,16 @@ class Driver(Protocol):
     space runs out. A failed call changes nothing.
     """
 
-    #: DLPack device type of the memory: 1 (CPU), 2 (CUDA) or 10 (ROCm).
-    dlpack_device_type: int
-    #: True when ``create`` hands out zero-filled memory (host: fresh pages);
-    #: callers then need not zero what they newly commit.
-    zeroes_new_memory: bool
+    @property
+    def dlpack_device_type(self) -> int:
+        """DLPack device type of the memory: 1 (CPU), 2 (CUDA) or 10 (ROCm)."""
+        ...
+
+    @property
+    def zeroes_new_memory(self) -> bool:
+        """True when ``create`` hands out zero-filled memory (host: fresh
+        pages); callers then need not zero what they newly commit."""
+        ...
 
     def granularity(self, device: int, shareable: bool) -> int:
         """Minimum mapping unit, in bytes, for that kind of allocation."""

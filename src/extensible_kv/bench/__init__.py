@@ -1,0 +1,111 @@
+"""``extensible-kv bench``: every figure a ratio to a baseline measured in the
+same run, with min/median/max over repeats; a table on the terminal, JSON
+and PNG plots in an output folder."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from extensible_kv.bench import suites
+from extensible_kv.bench.measure import MiB, warm_up
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """Sizes of one run (bytes unless said)."""
+
+    repeats: int = 3
+    largest_commit: int = 1024 * MiB
+    growth_total: int = 512 * MiB
+    growth_steps: int = 32
+    sleep_layers: int = 8
+    sleep_layer_bytes: int = 32 * MiB
+    view_bytes: int = 256 * MiB
+    bookkeeping_granules: int = 100_000
+    bookkeeping_real_granules: int = 20_000
+    overhead_blocks: tuple[int, ...] = (1, 10, 100, 1000)
+
+    @classmethod
+    def for_device(cls, device: torch.device, quick: bool) -> BenchPlan:
+        if quick:
+            return cls(
+                repeats=2,
+                largest_commit=64 * MiB,
+                growth_total=64 * MiB,
+                growth_steps=8,
+                sleep_layers=2,
+                sleep_layer_bytes=4 * MiB,
+                view_bytes=16 * MiB,
+                bookkeeping_granules=1000,
+                bookkeeping_real_granules=200,
+                overhead_blocks=(1, 10, 100),
+            )
+        if device.type == "cuda":
+            return cls(
+                repeats=5,
+                largest_commit=16 << 30,
+                growth_total=4 << 30,
+                growth_steps=64,
+                sleep_layers=32,
+                sleep_layer_bytes=64 * MiB,
+                view_bytes=1 << 30,
+            )
+        return cls()
+
+
+def run(
+    device: torch.device, plan: BenchPlan, progress: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    """Every suite on ``device``; returns the results as plain data."""
+    warm_up(device, 2 * max(plan.largest_commit, plan.growth_total) // 2)
+    results: dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "plan": vars(plan) | {"overhead_blocks": list(plan.overhead_blocks)},
+    }
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        (
+            "commit_vs_zeros",
+            lambda: suites.commit_vs_zeros(
+                device, suites.sizes_to_try(device, plan.largest_commit), plan.repeats
+            ),
+        ),
+        (
+            "growth",
+            lambda: suites.growth(device, plan.growth_total, plan.growth_steps, plan.repeats),
+        ),
+        (
+            "sleep_wake",
+            lambda: suites.sleep_wake(
+                device, plan.sleep_layers, plan.sleep_layer_bytes, plan.repeats
+            ),
+        ),
+        ("view_access", lambda: suites.view_access(device, plan.view_bytes, plan.repeats)),
+        (
+            "bookkeeping",
+            lambda: suites.bookkeeping(plan.bookkeeping_granules, plan.bookkeeping_real_granules),
+        ),
+        ("overhead", lambda: suites.overhead(device, list(plan.overhead_blocks))),
+    ]
+    for name, suite in steps:
+        progress(name)
+        results[name] = suite()
+    return results
+
+
+def save(results: dict[str, Any], out: Path) -> list[Path]:
+    """Write ``results.json`` and the plots into ``out``; returns the files."""
+    from extensible_kv.bench.report import plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=2))
+    return [path, *plot(results, out)]

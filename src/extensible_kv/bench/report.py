@@ -1,0 +1,182 @@
+"""Benchmark results as terminal tables and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+MiB = 1 << 20
+
+
+def _ms(stats: dict[str, float]) -> str:
+    return f"{stats['median'] * 1e3:.1f} ms [{stats['min'] * 1e3:.1f}-{stats['max'] * 1e3:.1f}]"
+
+
+def tables(results: dict[str, Any]) -> list[Table]:
+    """One table per suite; times are median [min-max], ratios baseline/ours."""
+    out = []
+    table = Table(title="1. commit + zero N bytes vs torch.zeros(N)")
+    for column in ("N", "ours", "torch.zeros", "ratio"):
+        table.add_column(column, justify="right")
+    for row in results["commit_vs_zeros"]:
+        table.add_row(
+            f"{row['bytes'] // MiB} MiB",
+            _ms(row["ours"]),
+            _ms(row["torch_zeros"]),
+            f"{row['ratio']:.2f}x",
+        )
+    out.append(table)
+
+    growth = results["growth"]
+    table = Table(
+        title=f"2. growth to {growth['total_bytes'] // MiB} MiB in {growth['steps']} steps "
+        f"(cuda.core: {growth['cuda_core']})"
+    )
+    for column in (
+        "who",
+        "whole growth",
+        "step at 1/4",
+        "step at 1/2",
+        "last step",
+        "ours faster by",
+    ):
+        table.add_column(column, justify="right")
+    for name, entry in growth.items():
+        if isinstance(entry, dict):
+            steps = entry["steps"]
+            table.add_row(
+                name,
+                _ms(entry["whole_growth"]),
+                _ms(steps["quarter"]),
+                _ms(steps["half"]),
+                _ms(steps["full"]),
+                f"{entry['ratio_to_ours']:.1f}x",
+            )
+    out.append(table)
+
+    sleep = results["sleep_wake"]
+    size = sleep["bytes"] // MiB
+    table = Table(title=f"3. sleep + wake of {sleep['layers']} layers x 2 segments, {size} MiB")
+    table.add_column("what")
+    table.add_column("time", justify="right")
+    for key, label in (
+        ("release_recommit", "release + recommit (discard)"),
+        ("preserving", "preserving release + recommit"),
+        ("plain_copy_roof", "plain copy_ out and back (roof)"),
+        ("per_allocation_sleep", "per-allocation sleep (sync backup)"),
+    ):
+        table.add_row(label, _ms(sleep[key]))
+    table.add_row("preserving / roof", f"{sleep['preserving_fraction_of_roof']:.0%}")
+    table.add_row(
+        "preserving vs per-allocation", f"{sleep['preserving_vs_per_allocation']:.2f}x faster"
+    )
+    out.append(table)
+
+    view = results["view_access"]
+    table = Table(
+        title=f"4. bandwidth kernels over {view['bytes'] // MiB} MiB: our views vs ordinary"
+    )
+    for column in ("kernel", "ours", "ordinary", "ratio (goal >= 0.98)"):
+        table.add_column(column, justify="right")
+    for kernel in ("copy", "fill"):
+        row = view[kernel]
+        table.add_row(kernel, _ms(row["ours"]), _ms(row["ordinary"]), f"{row['ratio']:.3f}")
+    out.append(table)
+
+    book = results["bookkeeping"]
+    table = Table(title="5. one more granule committed, as the buffer grows (median per commit)")
+    for column in ("granules", "bookkeeping alone", "host driver, 4 KiB granules"):
+        table.add_column(column, justify="right")
+    null, host = book["null_driver_seconds_per_commit"], book["host_4KiB_seconds_per_commit"]
+    for count in sorted(set(map(int, null)) | set(map(int, host))):
+        a, b = null.get(count, null.get(str(count))), host.get(count, host.get(str(count)))
+        table.add_row(
+            str(count), f"{a * 1e6:.1f} us" if a else "-", f"{b * 1e6:.1f} us" if b else "-"
+        )
+    table.caption = f"driver calls per commit: {book['driver_calls_per_commit']:.2f}"
+    out.append(table)
+
+    table = Table(title="6. physical overhead (physical - committed) per layout")
+    blocks = sorted({int(b) for rows in results["overhead"].values() for b in rows})
+    table.add_column("layout")
+    for count in blocks:
+        table.add_column(f"{count} blocks", justify="right")
+    for name, rows in results["overhead"].items():
+        cells = []
+        for count in blocks:
+            row = rows.get(count, rows.get(str(count)))
+            share = row["overhead"] / row["committed"]
+            cells.append(f"{row['overhead'] / MiB:.1f} MiB ({share:.0%})")
+        table.add_row(name, *cells)
+    out.append(table)
+    return out
+
+
+def plot(results: dict[str, Any], out: Path) -> list[Path]:
+    """PNG plots of the suites; none if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    device = results["device"]
+
+    ax = axes[0][0]
+    rows = results["commit_vs_zeros"]
+    ax.bar(
+        [f"{r['bytes'] // MiB} MiB" for r in rows], [r["ratio"] for r in rows], color="tab:green"
+    )
+    ax.axhline(1, color="grey", linewidth=1)
+    ax.set_title("commit + zero vs torch.zeros (x faster)")
+
+    ax = axes[0][1]
+    growth = results["growth"]
+    names = [n for n, e in growth.items() if isinstance(e, dict)]
+    marks = ("quarter", "half", "full")
+    for i, name in enumerate(names):
+        values = [growth[name]["steps"][m]["median"] * 1e3 for m in marks]
+        ax.bar([x + i * 0.8 / len(names) for x in range(3)], values, 0.8 / len(names), label=name)
+    ax.set_xticks(range(3), ["1/4", "1/2", "full"])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per growth step")
+    ax.set_title(f"growth step cost at 1/4, 1/2, all of {growth['total_bytes'] // MiB} MiB")
+    ax.legend()
+
+    ax = axes[1][0]
+    book = results["bookkeeping"]
+    for key, label in (
+        ("null_driver_seconds_per_commit", "bookkeeping alone"),
+        ("host_4KiB_seconds_per_commit", "host driver, 4 KiB granules"),
+    ):
+        points = sorted((int(k), v * 1e6) for k, v in book[key].items())
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("granules mapped")
+    ax.set_ylabel("us per commit of one granule")
+    ax.set_title("commit cost as the buffer grows (flat is the goal)")
+    ax.legend()
+
+    ax = axes[1][1]
+    for name, rows in results["overhead"].items():
+        points = sorted((int(k), v["overhead"] / v["committed"] * 100) for k, v in rows.items())
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("blocks committed")
+    ax.set_ylabel("physical overhead, % of committed")
+    ax.set_title("physical overhead per layout")
+    ax.legend(fontsize=8)
+
+    fig.suptitle(f"extensible-kv bench on {device} ({results['date']})")
+    fig.tight_layout()
+    path = out / "bench.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    files.append(path)
+    return files

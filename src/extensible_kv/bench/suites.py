@@ -1,0 +1,388 @@
+"""The benchmark suites. Each returns plain data (for JSON) whose figures are
+ratios to a baseline measured in the same run, repeats interleaved."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from extensible_kv.bench.measure import MiB, Stats, free_bytes, ratio, sync, timed
+from extensible_kv.driver import HostDriver, StatisticsDriver
+from extensible_kv.kv import (
+    AttentionSpec,
+    BlockMajorBackend,
+    KVCacheBuffers,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheTensor,
+    KVSplitBackend,
+    MambaSpec,
+    allocate_kv_cache,
+)
+from extensible_kv.tensor import ExtensibleTensor
+
+Row = dict[str, Any]
+
+
+def _stats_row(**named: Stats) -> Row:
+    return {name: vars(stats) for name, stats in named.items()}
+
+
+# 1. commit + zero vs torch.zeros ---------------------------------------------
+
+
+def commit_vs_zeros(device: torch.device, sizes: list[int], repeats: int) -> list[Row]:
+    rows = []
+    for size in sizes:
+        ours, zeros = [], []
+        for _ in range(repeats):
+            ours.append(_commit_once(device, size))
+            zeros.append(_zeros_once(device, size))
+        a, b = Stats.of(ours), Stats.of(zeros)
+        rows.append({"bytes": size, **_stats_row(ours=a, torch_zeros=b), "ratio": ratio(b, a)})
+    return rows
+
+
+def _commit_once(device: torch.device, size: int) -> float:
+    et = ExtensibleTensor(size, device)
+    seconds = timed(functools.partial(et.resize_per_segment_, size, zero_new=True), device)
+    et.free()
+    return seconds
+
+
+def _zeros_once(device: torch.device, size: int) -> float:
+    held: list[torch.Tensor] = []
+
+    def allocate() -> None:
+        held.append(torch.zeros(size, dtype=torch.uint8, device=device))
+
+    seconds = timed(allocate, device)
+    held.clear()
+    return seconds
+
+
+def sizes_to_try(device: torch.device, largest: int) -> list[int]:
+    """64 MiB, then x4, up to the largest that fits (an eighth of free memory)."""
+    cap = min(largest, free_bytes(device) // 8)
+    sizes = [64 * MiB]
+    while sizes[-1] * 4 <= cap:
+        sizes.append(sizes[-1] * 4)
+    return sizes
+
+
+# 2. growth in place vs reallocate-and-copy (vs cuda.core) ------------------------
+
+
+def _grow_ours(device: torch.device, total: int, steps: int) -> list[float]:
+    et = ExtensibleTensor(total, device)
+    step = total // steps
+    costs = [timed(functools.partial(et.resize_, k * step), device) for k in range(1, steps + 1)]
+    et.free()
+    return costs
+
+
+def _grow_by_copy(device: torch.device, total: int, steps: int) -> list[float]:
+    step = total // steps
+    held = [torch.empty(0, dtype=torch.uint8, device=device)]
+    costs = []
+    for k in range(1, steps + 1):
+
+        def regrow(k: int = k) -> None:
+            bigger = torch.empty(k * step, dtype=torch.uint8, device=device)
+            bigger[: held[0].numel()].copy_(held[0])
+            held[0] = bigger
+
+        costs.append(timed(regrow, device))
+    held.clear()
+    return costs
+
+
+def _grow_cuda_core(device: torch.device, total: int, steps: int) -> list[float]:
+    """cuda.core's VirtualMemoryResource.modify_allocation: grows in place
+    when the next addresses are free, else reserves again and remaps."""
+    from cuda.core import Device, VirtualMemoryResource
+
+    cuda_device = Device(device.index or 0)
+    cuda_device.set_current()
+    resource = VirtualMemoryResource(cuda_device.device_id)
+    step = total // steps
+    held = [resource.allocate(step)]
+    costs = []
+    for k in range(2, steps + 1):
+
+        def grow(k: int = k) -> None:
+            held[0] = resource.modify_allocation(held[0], k * step)
+
+        costs.append(timed(grow, device))
+    held[0].close()
+    return [costs[0], *costs]
+
+
+def growth(device: torch.device, total: int, steps: int, repeats: int) -> Row:
+    contenders: dict[str, Callable[[torch.device, int, int], list[float]]] = {
+        "ours": _grow_ours,
+        "reallocate_and_copy": _grow_by_copy,
+    }
+    skipped: str | None = "GPU only"
+    if device.type == "cuda":
+        skipped = None
+        try:
+            _grow_cuda_core(device, 4 * steps * MiB, steps)
+            contenders["cuda_core_modify_allocation"] = _grow_cuda_core
+        except Exception as exc:
+            skipped = f"cuda.core not usable here: {type(exc).__name__}: {exc}"
+    marks = {"quarter": steps // 4, "half": steps // 2, "full": steps}
+    totals: dict[str, list[float]] = {name: [] for name in contenders}
+    per_step: dict[str, dict[str, list[float]]] = {
+        name: {m: [] for m in marks} for name in contenders
+    }
+    for _ in range(repeats):
+        for name, grow in contenders.items():
+            costs = grow(device, total, steps)
+            totals[name].append(sum(costs))
+            for mark, k in marks.items():
+                per_step[name][mark].append(costs[k - 1])
+    ours = Stats.of(totals["ours"])
+    row: Row = {"total_bytes": total, "steps": steps, "cuda_core": skipped or "measured"}
+    for name in contenders:
+        whole = Stats.of(totals[name])
+        row[name] = {
+            "whole_growth": vars(whole),
+            "steps": {mark: vars(Stats.of(v)) for mark, v in per_step[name].items()},
+            "ratio_to_ours": ratio(whole, ours),
+        }
+    return row
+
+
+# 3. sleep and wake -------------------------------------------------------------
+
+
+def _kv_cache(device: torch.device, layers: int, layer_bytes: int) -> KVCacheBuffers:
+    per_block = 256 * 1024
+    blocks = layer_bytes // (2 * per_block)
+    buffers = [
+        (ExtensibleTensor(2 * blocks * per_block, device, num_segments=2), per_block)
+        for _ in range(layers)
+    ]
+    cache = KVCacheBuffers(buffers, blocks)
+    cache.commit(blocks)
+    return cache
+
+
+def _per_allocation_sleep(device: torch.device, layers: int, layer_bytes: int) -> float:
+    """What per-allocation sleep allocators do: one allocation per tensor,
+    each copied to host synchronously and freed, then allocated again and
+    copied back on wake."""
+    tensors = [torch.ones(layer_bytes, dtype=torch.uint8, device=device) for _ in range(layers)]
+
+    def sleep_and_wake() -> None:
+        backups = []
+        for i in range(layers):
+            backups.append(tensors[i].to("cpu", copy=True))
+            tensors[i] = torch.empty(0, dtype=torch.uint8, device=device)
+        sync(device)
+        for i in range(layers):
+            tensors[i] = backups[i].to(device, copy=True)
+
+    return timed(sleep_and_wake, device)
+
+
+def sleep_wake(device: torch.device, layers: int, layer_bytes: int, repeats: int) -> Row:
+    discard, preserve, roof, per_alloc = [], [], [], []
+    total = layers * layer_bytes
+    for _ in range(repeats):
+        cache = _kv_cache(device, layers, layer_bytes)
+
+        def sleep_discarding(cache: KVCacheBuffers = cache) -> None:
+            cache.release_physical()
+            cache.recommit()
+
+        def sleep_preserving(cache: KVCacheBuffers = cache) -> None:
+            cache.release_physical(preserve=True)
+            cache.recommit(keep_host_memory=True)
+
+        discard.append(timed(sleep_discarding, device))
+        sleep_preserving()  # the first host copy is made outside the timing
+        preserve.append(timed(sleep_preserving, device))
+        cache.free()
+        source = torch.ones(total, dtype=torch.uint8, device=device)
+        host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+        def copy_out_and_back(source: torch.Tensor = source, host: torch.Tensor = host) -> None:
+            host.copy_(source)
+            source.copy_(host)
+
+        roof.append(timed(copy_out_and_back, device))
+        del source, host, copy_out_and_back
+        per_alloc.append(_per_allocation_sleep(device, layers, layer_bytes))
+    d, p, r, a = Stats.of(discard), Stats.of(preserve), Stats.of(roof), Stats.of(per_alloc)
+    return {
+        "layers": layers,
+        "bytes": total,
+        **_stats_row(release_recommit=d, preserving=p, plain_copy_roof=r, per_allocation_sleep=a),
+        "preserving_fraction_of_roof": ratio(r, p),
+        "preserving_vs_per_allocation": ratio(a, p),
+        "preserving_GBps": 2 * total / p.median / 1e9,
+        "roof_GBps": 2 * total / r.median / 1e9,
+    }
+
+
+# 4. view access ------------------------------------------------------------------
+
+
+def view_access(device: torch.device, size: int, repeats: int) -> Row:
+    et = ExtensibleTensor(2 * size, device)
+    ours = et.resize_(2 * size)
+    plain = torch.zeros(2 * size, dtype=torch.uint8, device=device)
+    results: Row = {"bytes": size}
+    kernels: dict[str, Callable[[torch.Tensor], object]] = {
+        "copy": lambda t: t[:size].copy_(t[size:]),
+        "fill": lambda t: t.fill_(3),
+    }
+    for name, kernel in kernels.items():
+        a, b = [], []
+        for _ in range(repeats):
+            a.append(timed(functools.partial(kernel, ours), device))
+            b.append(timed(functools.partial(kernel, plain), device))
+        mine, theirs = Stats.of(a), Stats.of(b)
+        results[name] = {**_stats_row(ours=mine, ordinary=theirs), "ratio": ratio(theirs, mine)}
+    ours = plain = torch.empty(0)
+    et.free()
+    return results
+
+
+# 5. bookkeeping ------------------------------------------------------------------
+
+
+class NullDriver:
+    """A driver that does nothing: isolates the library's own bookkeeping
+    cost from the driver's. For benchmarks only; it backs no memory."""
+
+    dlpack_device_type = 1
+    zeroes_new_memory = True
+
+    def __init__(self, granularity: int) -> None:
+        self._granularity = granularity
+        self._ids = itertools.count(1)
+
+    def granularity(self, device: int, shareable: bool) -> int:
+        return self._granularity
+
+    def reserve(self, size: int) -> int:
+        return 1 << 40
+
+    def create(self, size: int, device: int, shareable: bool) -> int:
+        return next(self._ids)
+
+    def free_reserved(self, ptr: int, size: int) -> None: ...
+    def release(self, handle: int) -> None: ...
+    def map(self, ptr: int, size: int, handle: int) -> None: ...
+    def unmap(self, ptr: int, size: int) -> None: ...
+    def set_access(self, ptr: int, size: int, device: int) -> None: ...
+    def synchronize(self, device: int) -> None: ...
+    def export_handle(self, handle: int) -> int:
+        raise NotImplementedError("the null driver shares nothing")
+
+    def import_handle(self, fd: int) -> int:
+        raise NotImplementedError("the null driver shares nothing")
+
+    def ensure_context(self, device: int) -> None: ...
+
+
+def bookkeeping(granules: int, real_granules: int) -> Row:
+    """Cost of committing one more granule as a buffer grows granule by
+    granule, with the null driver (bookkeeping alone) and with the host
+    driver at 4 KiB granules (real calls), sampled at powers of ten."""
+    from extensible_kv.buffer import VirtualBuffer
+
+    def curve(driver: Any, count: int) -> tuple[dict[int, float], float]:
+        stats = StatisticsDriver(driver)
+        g = driver.granularity(0, False)
+        buffer = VirtualBuffer(count * g, stats)
+        samples: dict[int, float] = {}
+        window: list[float] = []
+        cpu = torch.device("cpu")
+        for k in range(count):
+            window.append(timed(functools.partial(buffer.commit, [(k * g, g)]), cpu))
+            if k + 1 in _decades(count):
+                samples[k + 1] = sorted(window)[len(window) // 2]
+                window = []
+        calls = sum(s.calls for s in stats.calls.values()) / count
+        buffer.free()
+        return samples, calls
+
+    null, null_calls = curve(NullDriver(2 * MiB), granules)
+    host, host_calls = curve(HostDriver(granularity=4096), real_granules)
+    return {
+        "null_driver_seconds_per_commit": null,
+        "host_4KiB_seconds_per_commit": host,
+        "driver_calls_per_commit": host_calls,
+        "null_driver_calls_per_commit": null_calls,
+    }
+
+
+def _decades(count: int) -> set[int]:
+    return {10**i for i in range(0, 7) if 10**i <= count} | {count}
+
+
+# 6. physical overhead per layout -----------------------------------------------------
+
+
+def overhead(device: torch.device, block_counts: list[int]) -> Row:
+    spec = AttentionSpec(16, 8, 128, torch.float16)
+    capacity = max(block_counts)
+    page = spec.page_size_bytes
+    mamba = MambaSpec(((4, 512), (64, 64)), (torch.float16, torch.float32), page_size_padded=page)
+    layouts: dict[str, tuple[KVCacheConfig, Any]] = {
+        "K/V split (2 segments)": (
+            KVCacheConfig(
+                capacity, (KVCacheTensor(capacity * page, ("a",)),), (KVCacheGroup(("a",), spec),)
+            ),
+            KVSplitBackend,
+        ),
+        "block-major (1 segment)": (
+            KVCacheConfig(
+                capacity, (KVCacheTensor(capacity * page, ("a",)),), (KVCacheGroup(("a",), spec),)
+            ),
+            BlockMajorBackend,
+        ),
+        "packed (2 layers a row)": (
+            KVCacheConfig(
+                capacity,
+                (
+                    KVCacheTensor(capacity * page, ("a",), 0, 2 * page),
+                    KVCacheTensor(capacity * page, ("b",), page, 2 * page),
+                ),
+                (KVCacheGroup(("a", "b"), spec),),
+            ),
+            BlockMajorBackend,
+        ),
+        "hybrid attention + Mamba": (
+            KVCacheConfig(
+                capacity,
+                (KVCacheTensor(capacity * page, ("a", "m")),),
+                (KVCacheGroup(("a",), spec), KVCacheGroup(("m",), mamba)),
+            ),
+            [KVSplitBackend, None],
+        ),
+    }
+    rows: Row = {}
+    for name, (config, backends) in layouts.items():
+        cache = allocate_kv_cache(config, backends, device)
+        per_count = {}
+        for blocks in block_counts:
+            cache.buffers.commit(blocks)
+            committed = blocks * cache.buffers.bytes_per_block
+            physical = cache.buffers.physical_bytes
+            per_count[blocks] = {
+                "committed": committed,
+                "physical": physical,
+                "overhead": physical - committed,
+            }
+        rows[name] = per_count
+        cache.free()
+    return rows
