@@ -63,9 +63,15 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The core benchmark on the best device; JSON into bench-results/."""
+    """``extensible-kv bench`` on the best device: tables, JSON and plots in bench-results/."""
     session.install(TORCH)
-    session.install("-e", ".")
-    session.run(
-        "python", "benchmarks/bench_core.py", "--json", "bench-results/core.json", *session.posargs
-    )
+    session.install("-e", ".[plot]")
+    session.run("extensible-kv", "bench", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site, built strictly (warnings are errors) into site/."""
+    session.install(TORCH)
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict")

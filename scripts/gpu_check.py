@@ -10,7 +10,7 @@ virtual environment), installs this project with ``--no-deps
 
 1. records the machine: device, driver, torch, bindings versions;
 2. runs the whole test suite (host and GPU devices, GPU-only tests);
-3. runs the core benchmark on the GPU;
+3. runs ``extensible-kv bench`` on the GPU (results.json and bench.png);
 4. runs the grow/sleep/wake example once under ``compute-sanitizer --tool
    memcheck`` when that tool exists;
 
@@ -120,16 +120,16 @@ def gpu_steps(py: str, out: Path, bench_json: Path) -> dict[str, dict[str, objec
             "bench",
             [
                 py,
-                "benchmarks/bench_core.py",
+                "-m",
+                "extensible_kv.cli",
+                "bench",
                 "--device",
                 "cuda",
-                "--repeats",
-                "3",
-                "--json",
-                str(bench_json),
+                "--out",
+                str(bench_json.parent),
             ],
             out,
-            120,
+            240,
         )
     }
     sanitizer = shutil.which("compute-sanitizer")
@@ -207,14 +207,14 @@ def main() -> int:
         300,
     )
     steps["tests"]["counts"] = junit_counts(junit)
-    bench_json = out / "bench-core-cuda.json"
+    bench_json = out / "bench" / "results.json"
     if gpu_reason:
         steps["bench"] = {"rc": None, "skipped": "no usable GPU"}
         steps["memcheck"] = {"rc": None, "skipped": "no usable GPU"}
     else:
         steps.update(gpu_steps(py, out, bench_json))
     if bench_json.exists():
-        summary["bench_core"] = json.loads(bench_json.read_text())
+        summary["bench"] = json.loads(bench_json.read_text())
 
     summary["steps"] = steps
     summary["seconds"] = round(time.perf_counter() - _STARTED, 1)

@@ -158,8 +158,11 @@ def allocate_kv_cache(
             ``kv_cache_groups``); vLLM's or :class:`~extensible_kv.kv.KVCacheConfig`.
         backends: the attention backend of each group, in group order (None
             for Mamba groups), or one backend for every group.
-        device, shareable, driver, chunk_bytes: as for :class:`ExtensibleTensor`.
+        device: as for :class:`ExtensibleTensor`; None: the current GPU, else the host.
         cache_dtype: passed to the backends' ``get_kv_cache_shape``.
+        shareable: allocate memory other processes can map (see :mod:`extensible_kv.share`).
+        driver: the driver to use, e.g. wrapped in an adaptor.
+        chunk_bytes: largest physical chunk one commit maps (see the chunk policy).
 
     Every layer must be backed by exactly one KV cache tensor; layers
     sharing a tensor must agree on its number of segments. A cache with a

@@ -1,0 +1,31 @@
+"""``extensible-kv bench --quick`` runs every suite and writes its report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extensible_kv.cli import main
+
+SUITES = ("commit_vs_zeros", "growth", "sleep_wake", "view_access", "bookkeeping", "overhead")
+
+
+def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(SUITES) <= set(results)
+    for row in results["commit_vs_zeros"]:
+        assert row["ratio"] > 0
+        assert row["ours"]["min"] <= row["ours"]["median"] <= row["ours"]["max"]
+    assert results["growth"]["reallocate_and_copy"]["ratio_to_ours"] > 0
+    assert results["growth"]["cuda_core"] == "GPU only"
+    assert results["bookkeeping"]["driver_calls_per_commit"] == pytest.approx(4, abs=0.1)
+    for rows in results["overhead"].values():
+        for row in rows.values():
+            assert 0 <= row["overhead"] < 8 << 20, "at most a granule per segment"
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "commit + zero" in out
+    assert "physical overhead" in out
