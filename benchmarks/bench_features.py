@@ -18,29 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from extensible_kv import ExtensibleTensor, StatisticsDriver, get_driver
+from extensible_kv.bench.measure import MiB, timed
 from extensible_kv.kv import KVCacheBuffers
-
-MiB = 1 << 20
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
 
 
 def median(samples: list[float]) -> float:

@@ -217,12 +217,7 @@ class VirtualBuffer:
             for run in plan:
                 for offset, size in run:
                     handle = self.driver.create(size, self.device, self.shareable)
-                    try:
-                        self.driver.map(self.base_ptr + offset, size, handle)
-                    except BaseException:
-                        self.driver.release(handle)
-                        raise
-                    made.append(Chunk(offset, size, handle))
+                    made.append(self._map_new(offset, size, handle))
                 # One set_access may span adjacent mappings, and it is one of
                 # the costlier driver calls: grant the whole run at once.
                 start, end = run[0][0], run[-1][0] + run[-1][1]
@@ -232,6 +227,15 @@ class VirtualBuffer:
             raise
         self._add(made)
         return made
+
+    def _map_new(self, offset: int, size: int, handle: int) -> Chunk:
+        """Map a handle just made or imported; if that fails, release it."""
+        try:
+            self.driver.map(self.base_ptr + offset, size, handle)
+        except BaseException:
+            self.driver.release(handle)
+            raise
+        return Chunk(offset, size, handle)
 
     def _unmap_and_release(self, chunks: Sequence[Chunk]) -> None:
         """Undo chunks just made, that no kernel can have used yet."""
@@ -334,13 +338,7 @@ class VirtualBuffer:
             made: list[Chunk] = []
             try:
                 for offset, size, fd in chunks:
-                    handle = self.driver.import_handle(fd)
-                    try:
-                        self.driver.map(self.base_ptr + offset, size, handle)
-                    except BaseException:
-                        self.driver.release(handle)
-                        raise
-                    made.append(Chunk(offset, size, handle))
+                    made.append(self._map_new(offset, size, self.driver.import_handle(fd)))
                 for run in _runs_of_chunks(sorted(made, key=lambda c: c.offset)):
                     start, end = run[0].offset, run[-1].end
                     self.driver.set_access(self.base_ptr + start, end - start, self.device)
