@@ -136,6 +136,21 @@ def make_machine(device: str) -> type[RuleBasedStateMachine]:
             self.models[segment].known[start:end] = True
 
         @precondition(alive)
+        @rule(preserve=st.booleans())
+        def defragment(self, preserve: bool) -> None:
+            et = self.tensor
+            et.defragment_(preserve=preserve)
+            for i in range(et.num_segments if et.bytes_per_segment else 0):
+                start = i * et.segment_capacity_bytes
+                end = start + et.bytes_per_segment
+                holding = [c for c in et.buffer.chunks if c.offset < end and start < c.end]
+                assert len(holding) == 1, "one chunk per segment prefix"
+            if not preserve:
+                for model in self.models:
+                    model.data[:] = 0
+                    model.known[:] = True
+
+        @precondition(alive)
         @rule()
         def release(self) -> None:
             self.tensor.release_physical()
