@@ -157,3 +157,19 @@ def test_shareable_memory_is_seen_by_another_process(granule: int) -> None:
     assert et.tensor[:16].eq(9).all()
     assert et.tensor[16:].eq(7).all()
     et.free()
+
+
+def test_cupy_consumes_the_same_views(granule: int) -> None:
+    cupy = pytest.importorskip("cupy")
+    from extensible_kv.dlpack import ByteView
+
+    et = ExtensibleTensor(4 * granule, "cuda")
+    et.resize_(granule).fill_(5)
+    array = cupy.from_dlpack(ByteView(et.buffer, 0, granule))
+    assert int(array.data.ptr) == et.base_ptr
+    assert int(array.sum()) == 5 * granule
+    array[:8] = 6
+    cupy.cuda.Device().synchronize()
+    assert et.tensor[:8].eq(6).all()
+    del array
+    et.free()
