@@ -23,17 +23,6 @@ _Span = tuple[int, int]
 
 
 @dataclass(frozen=True)
-class Remap:
-    """Chunks ``old``, covering ``[start, end)``, to be replaced by one chunk
-    per run of ``runs`` (``(offset, size)``, inside ``[start, end)``)."""
-
-    old: tuple[Chunk, ...]
-    start: int
-    end: int
-    runs: tuple[_Span, ...]
-
-
-@dataclass(frozen=True)
 class Chunk:
     """One physical allocation mapped into the buffer.
 
@@ -50,6 +39,17 @@ class Chunk:
         return self.offset + self.size
 
 
+@dataclass(frozen=True)
+class Remap:
+    """Chunks ``old``, covering ``[start, end)``, to be replaced by one chunk
+    per run of ``runs`` (``(offset, size)``, inside ``[start, end)``)."""
+
+    old: tuple[Chunk, ...]
+    start: int
+    end: int
+    runs: tuple[_Span, ...]
+
+
 class VirtualBuffer:
     """A virtual address range reserved once, with physical memory committed,
     released and committed again underneath it.
@@ -64,6 +64,10 @@ class VirtualBuffer:
     Releasing is done in two phases: unmapping (undone by mapping back if any
     unmap fails), then releasing handles; a handle whose release fails is kept
     and released by the next call that changes the buffer.
+
+    Chunks can be mapped again with their contents (:meth:`plan_remaps`,
+    :meth:`stage`, :meth:`swap_in`), exported to other processes and
+    imported from them (:meth:`export_chunks`, :meth:`map_imported`).
 
     Args:
         size: bytes of address space wanted; reserved rounded up to the granularity.
