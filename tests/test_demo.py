@@ -14,6 +14,8 @@ from extensible_kv.cli import main
 from extensible_kv.demo import FlowSettings, ModelConfig, run_flow
 from extensible_kv.demo.model import TinyDecoder, eager_step, generate
 
+#: The CLI's demo at test sizes.
+SMALL_ARGS = ["--layers", "2", "--batch", "2", "--new-tokens", "8", "--capacity-blocks", "256"]
 SMALL = FlowSettings(model=ModelConfig(layers=2), batch=2, new_tokens=12, capacity_blocks=256)
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,23 +100,7 @@ def test_cli_probe(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_demo_writes_its_timeline(tmp_path: Path, device: str) -> None:
-    code = main(
-        [
-            "demo",
-            "--device",
-            device,
-            "--layers",
-            "2",
-            "--batch",
-            "2",
-            "--new-tokens",
-            "8",
-            "--capacity-blocks",
-            "256",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    code = main(["demo", "--device", device, *SMALL_ARGS, "--out", str(tmp_path)])
     assert code == 0
     timeline = json.loads((tmp_path / "timeline.json").read_text())
     assert timeline["ok"] is True
@@ -146,23 +132,7 @@ def test_example_script_runs() -> None:
 def test_cli_demo_on_two_ranks_commits_the_smallest_proposal(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(
-        [
-            "demo",
-            "--world-size",
-            "2",
-            "--device",
-            "cpu",
-            "--layers",
-            "2",
-            "--batch",
-            "2",
-            "--new-tokens",
-            "8",
-            "--capacity-blocks",
-            "256",
-        ]
-    )
+    code = main(["demo", "--world-size", "2", "--device", "cpu", *SMALL_ARGS])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "every rank committed the smallest proposal" in out
