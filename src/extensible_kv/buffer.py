@@ -398,7 +398,7 @@ class VirtualBuffer:
             self._check_usable()
             moving = list(scratch._chunks)
             self.driver.ensure_context(self.device)
-            scratch.driver.synchronize(scratch.device)
+            _synchronize_once([self, scratch])
             self._detach(remap.old)
             moved: list[Chunk] = []
             try:
@@ -435,12 +435,11 @@ class VirtualBuffer:
             logger.exception("freeing %r failed; it is retried when the buffer is dropped", self)
 
     def _detach(self, chunks: Sequence[Chunk]) -> None:
-        """Unmap ``chunks`` (all or none), keeping their handles to release."""
+        """Unmap ``chunks`` (all or none), keeping their handles to release.
+        The caller has synchronized the device (:func:`_synchronize_once`)."""
         if not chunks:
             return
         self.driver.ensure_context(self.device)
-        # Unmapping does not wait for kernels still reading the memory.
-        self.driver.synchronize(self.device)
         done: list[Chunk] = []
         try:
             for chunk in chunks:
@@ -571,7 +570,23 @@ def release_together(buffers: Sequence[VirtualBuffer]) -> int:
         return _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
 
 
+def _synchronize_once(buffers: Iterable[VirtualBuffer]) -> None:
+    """Wait for the devices of ``buffers``, each device once.
+
+    Unmapping does not wait for kernels still reading the memory; one wait
+    per device covers every buffer on it (a cache has one per layer).
+    """
+    waited: set[tuple[int, int]] = set()
+    for buffer in buffers:
+        key = (id(buffer.driver), buffer.device)
+        if key not in waited:
+            waited.add(key)
+            buffer.driver.ensure_context(buffer.device)
+            buffer.driver.synchronize(buffer.device)
+
+
 def _release_chunks(requests: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]]) -> int:
+    _synchronize_once(buffer for buffer, chunks in requests if chunks)
     detached: list[tuple[VirtualBuffer, Sequence[Chunk]]] = []
     try:
         for buffer, chunks in requests:
