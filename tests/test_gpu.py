@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
+from child import run_python
 from extensible_kv import ExtensibleTensor, get_driver, unavailable_reason
 
 REASON = unavailable_reason("cuda")
@@ -24,16 +22,6 @@ MiB = 1 << 20
 @pytest.fixture
 def granule() -> int:
     return get_driver("cuda:0").granularity(0, False)
-
-
-def run_child(code: str, *, pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        pass_fds=pass_fds,
-        timeout=300,
-    )
 
 
 def test_a_cuda_graph_survives_growth_and_sleep(granule: int) -> None:
@@ -80,7 +68,7 @@ def test_every_granule_of_a_large_commit_is_backed(granule: int) -> None:
 
 
 def test_touching_an_uncommitted_granule_faults_the_device(granule: int) -> None:
-    child = run_child(
+    child = run_python(
         f"""
         import torch
         from extensible_kv import ExtensibleTensor
@@ -121,7 +109,7 @@ def test_shareable_memory_is_seen_by_another_process(granule: int) -> None:
     layout = [(c.offset, c.size, driver.export_handle(c.handle)) for c in et.buffer.chunks]
     fds = tuple(fd for _, _, fd in layout)
     try:
-        child = run_child(
+        child = run_python(
             f"""
             import json, torch
             from extensible_kv import get_driver, uint8_tensor_from_ptr

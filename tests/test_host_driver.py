@@ -6,15 +6,13 @@ import ctypes
 import errno
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from child import run_python
 from extensible_kv.driver import DriverError, HostDriver, OutOfMemoryError
 
 MiB = 1 << 20
@@ -42,16 +40,6 @@ def rss_bytes() -> int:
         if line.startswith("Rss:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no Rss line")
-
-
-def run_python(code: str, *, pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        pass_fds=pass_fds,
-        timeout=120,
-    )
 
 
 def test_reservations_are_aligned_and_granular(driver: HostDriver) -> None:
