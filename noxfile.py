@@ -55,9 +55,9 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The prepared check for a lent GPU machine (no downloads, no venv):
-    tests, benchmarks and a memcheck pass with the Python running nox (the
-    one that has torch there); see scripts/gpu_check.py."""
+    """The prepared check for a lent GPU machine, ``scripts/gpu_check.py``, with the
+    Python running nox (no venv, no downloads); arguments pass through, e.g.
+    ``nox -s gpu -- --wheels .whl`` or ``nox -s gpu -- --cpu-dry-run``."""
     session.run(sys.executable, "scripts/gpu_check.py", *session.posargs)
 
 
