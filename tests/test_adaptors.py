@@ -16,8 +16,8 @@ from extensible_kv.driver import (
 )
 
 
-def test_adaptors_satisfy_the_protocol(device: str) -> None:
-    inner = get_driver(device)
+def test_adaptors_satisfy_the_protocol(driver: Driver) -> None:
+    inner = driver
     for adaptor in (StatisticsDriver(inner), FaultInjectingDriver(inner)):
         assert isinstance(adaptor, Driver)
         assert adaptor.dlpack_device_type == inner.dlpack_device_type
@@ -25,30 +25,31 @@ def test_adaptors_satisfy_the_protocol(device: str) -> None:
         assert repr(inner) in repr(adaptor)
 
 
-def test_statistics_track_live_resources_and_calls(device: str, granularity: int) -> None:
-    stats = StatisticsDriver(get_driver(device))
+def test_statistics_track_live_resources_and_calls(driver: Driver, granularity: int) -> None:
+    stats = StatisticsDriver(driver)
     g = granularity
-    ptr = stats.reserve(4 * g)
-    handles = [stats.create(g, 0, False) for _ in range(3)]
-    for i, handle in enumerate(handles):
-        stats.map(ptr + i * g, g, handle)
-    stats.set_access(ptr, 3 * g, 0)
-    assert stats.live == LiveUsage(
-        handles=3,
-        handle_bytes=3 * g,
-        reservations=1,
-        reserved_bytes=4 * g,
-        mappings=3,
-        mapped_bytes=3 * g,
-    )
-    stats.unmap(ptr + g, 2 * g)
-    assert stats.live.mappings == 1
-    assert stats.live.mapped_bytes == g
-    stats.unmap(ptr, g)
-    for handle in handles:
-        stats.release(handle)
-    stats.free_reserved(ptr, 4 * g)
-    assert stats.live == LiveUsage()
+    with stats.context(0):
+        ptr = stats.reserve(4 * g, g)
+        handles = [stats.create(g, 0, False) for _ in range(3)]
+        for i, handle in enumerate(handles):
+            stats.map(ptr + i * g, g, handle)
+        stats.set_access(ptr, 3 * g, 0)
+        assert stats.live == LiveUsage(
+            handles=3,
+            handle_bytes=3 * g,
+            reservations=1,
+            reserved_bytes=4 * g,
+            mappings=3,
+            mapped_bytes=3 * g,
+        )
+        stats.unmap(ptr + g, 2 * g)
+        assert stats.live.mappings == 1
+        assert stats.live.mapped_bytes == g
+        stats.unmap(ptr, g)
+        for handle in handles:
+            stats.release(handle)
+        stats.free_reserved(ptr, 4 * g)
+        assert stats.live == LiveUsage()
     calls = stats.calls
     assert set(calls) == set(DRIVER_CALLS)
     assert calls["create"].calls == 3
@@ -59,9 +60,9 @@ def test_statistics_track_live_resources_and_calls(device: str, granularity: int
     assert stats.calls["create"].calls == 0
 
 
-def test_statistics_count_failures_without_changing_live_state(device: str) -> None:
-    stats = StatisticsDriver(get_driver(device))
-    with pytest.raises(DriverError):
+def test_statistics_count_failures_without_changing_live_state(driver: Driver) -> None:
+    stats = StatisticsDriver(driver)
+    with driver.context(0), pytest.raises(DriverError):
         stats.unmap(0, 1)
     assert stats.calls["unmap"].failures == 1
     assert stats.calls["unmap"].calls == 1
@@ -69,44 +70,47 @@ def test_statistics_count_failures_without_changing_live_state(device: str) -> N
 
 
 def test_fail_at_fails_the_nth_call_once_without_reaching_the_driver(
-    device: str, granularity: int
+    driver: Driver, granularity: int
 ) -> None:
-    stats = StatisticsDriver(get_driver(device))
+    stats = StatisticsDriver(driver)
     faulty = FaultInjectingDriver(stats)
-    faulty.fail_at("create", nth=2)
-    first = faulty.create(granularity, 0, False)
-    with pytest.raises(OutOfMemoryError, match="injected"):
-        faulty.create(granularity, 0, False)
-    assert stats.calls["create"].calls == 1
-    assert stats.live.handles == 1
-    second = faulty.create(granularity, 0, False)
-    assert faulty.injected == 1
-    faulty.release(first)
-    faulty.release(second)
+    with driver.context(0):
+        faulty.fail_at("create", nth=2)
+        first = faulty.create(granularity, 0, False)
+        with pytest.raises(OutOfMemoryError, match="injected"):
+            faulty.create(granularity, 0, False)
+        assert stats.calls["create"].calls == 1
+        assert stats.live.handles == 1
+        second = faulty.create(granularity, 0, False)
+        assert faulty.injected == 1
+        faulty.release(first)
+        faulty.release(second)
 
 
-def test_non_memory_calls_fail_with_a_plain_driver_error(device: str, granularity: int) -> None:
-    faulty = FaultInjectingDriver(get_driver(device))
-    handle = faulty.create(granularity, 0, False)
-    faulty.fail_at("release")
-    with pytest.raises(DriverError) as info:
+def test_non_memory_calls_fail_with_a_plain_driver_error(driver: Driver, granularity: int) -> None:
+    faulty = FaultInjectingDriver(driver)
+    with driver.context(0):
+        handle = faulty.create(granularity, 0, False)
+        faulty.fail_at("release")
+        with pytest.raises(DriverError) as info:
+            faulty.release(handle)
+        assert not isinstance(info.value, OutOfMemoryError)
         faulty.release(handle)
-    assert not isinstance(info.value, OutOfMemoryError)
-    faulty.release(handle)
 
 
-def test_byte_limit_fails_creates_past_the_budget(device: str, granularity: int) -> None:
-    faulty = FaultInjectingDriver(get_driver(device), byte_limit=2 * granularity)
-    a = faulty.create(granularity, 0, False)
-    b = faulty.create(granularity, 0, False)
-    with pytest.raises(OutOfMemoryError, match="byte limit"):
-        faulty.create(granularity, 0, False)
-    faulty.release(a)
-    c = faulty.create(granularity, 0, False)
-    faulty.clear()
-    d = faulty.create(granularity, 0, False)
-    for handle in (b, c, d):
-        faulty.release(handle)
+def test_byte_limit_fails_creates_past_the_budget(driver: Driver, granularity: int) -> None:
+    faulty = FaultInjectingDriver(driver, byte_limit=2 * granularity)
+    with driver.context(0):
+        a = faulty.create(granularity, 0, False)
+        b = faulty.create(granularity, 0, False)
+        with pytest.raises(OutOfMemoryError, match="byte limit"):
+            faulty.create(granularity, 0, False)
+        faulty.release(a)
+        c = faulty.create(granularity, 0, False)
+        faulty.clear()
+        d = faulty.create(granularity, 0, False)
+        for handle in (b, c, d):
+            faulty.release(handle)
 
 
 def test_fail_at_rejects_unknown_calls_and_counts() -> None:

@@ -20,7 +20,8 @@ SMALL = FlowSettings(model=ModelConfig(layers=2), batch=2, new_tokens=12, capaci
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_flow_checks_its_tokens(device: str) -> None:
+def test_the_flow_checks_its_tokens(real_device: str) -> None:
+    device = real_device
     report = run_flow(device, SMALL)
     assert report.ok
     names = [phase.name for phase in report.timeline]
@@ -99,8 +100,8 @@ def test_cli_probe(capsys: pytest.CaptureFixture[str]) -> None:
     assert "extensible-kv backends" in capsys.readouterr().out
 
 
-def test_cli_demo_writes_its_timeline(tmp_path: Path, device: str) -> None:
-    code = main(["demo", "--device", device, *SMALL_ARGS, "--out", str(tmp_path)])
+def test_cli_demo_writes_its_timeline(tmp_path: Path, real_device: str) -> None:
+    code = main(["demo", "--device", real_device, *SMALL_ARGS, "--out", str(tmp_path)])
     assert code == 0
     timeline = json.loads((tmp_path / "timeline.json").read_text())
     assert timeline["ok"] is True

@@ -9,13 +9,13 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def test_grow_sleep_wake_runs_and_checks_itself(device: str) -> None:
+def test_grow_sleep_wake_runs_and_checks_itself(real_device: str) -> None:
     result = subprocess.run(
         [
             sys.executable,
             str(EXAMPLES / "grow_sleep_wake.py"),
             "--device",
-            device,
+            real_device,
             "--mib",
             "16",
             "--steps",

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
-from extensible_kv.driver import get_driver
+from extensible_kv.driver import Driver
 
 IRREVERSIBLE = {"release", "free_reserved"}
 # Operations that map chunks again with their contents: a failure may leave
@@ -45,9 +45,9 @@ def snapshot(et: ExtensibleTensor, stats: StatisticsDriver) -> tuple[Any, ...]:
 
 
 def setup(
-    device: str, granularity: int, operation: str
+    device: str, driver: Driver, granularity: int, operation: str
 ) -> tuple[ExtensibleTensor, StatisticsDriver, FaultInjectingDriver]:
-    stats = StatisticsDriver(get_driver(device))
+    stats = StatisticsDriver(driver)
     faulty = FaultInjectingDriver(stats)
     cap = 3 * granularity + granularity // 2
     # One chunk per segment prefix makes a trim map a straddling chunk again.
@@ -71,8 +71,8 @@ OPERATIONS: dict[str, Callable[[ExtensibleTensor], object]] = {
 }
 
 
-def calls_made(device: str, granularity: int, operation: str) -> Counter[str]:
-    et, stats, _ = setup(device, granularity, operation)
+def calls_made(device: str, driver: Driver, granularity: int, operation: str) -> Counter[str]:
+    et, stats, _ = setup(device, driver, granularity, operation)
     before = {name: s.calls for name, s in stats.calls.items()}
     OPERATIONS[operation](et)
     made = Counter({name: s.calls - before[name] for name, s in stats.calls.items()})
@@ -81,18 +81,20 @@ def calls_made(device: str, granularity: int, operation: str) -> Counter[str]:
 
 
 @pytest.mark.parametrize("operation", sorted(OPERATIONS))
-def test_failure_at_every_driver_call(device: str, granularity: int, operation: str) -> None:
-    clean, clean_stats, _ = setup(device, granularity, operation)
+def test_failure_at_every_driver_call(
+    device: str, driver: Driver, granularity: int, operation: str
+) -> None:
+    clean, clean_stats, _ = setup(device, driver, granularity, operation)
     OPERATIONS[operation](clean)
     expected = snapshot(clean, clean_stats)
     clean.free()
 
-    made = calls_made(device, granularity, operation)
+    made = calls_made(device, driver, granularity, operation)
     assert made, f"{operation} makes no driver call"
     for call, count in sorted(made.items()):
         for nth in range(1, count + 1):
             case = f"{operation}: failing {call} #{nth} of {count}"
-            et, stats, faulty = setup(device, granularity, operation)
+            et, stats, faulty = setup(device, driver, granularity, operation)
             before = snapshot(et, stats)
             faulty.fail_at(call, nth)
             with pytest.raises(DriverError, match="injected"):
@@ -115,8 +117,8 @@ def test_failure_at_every_driver_call(device: str, granularity: int, operation: 
             assert stats.live.handles == stats.live.reservations == 0, case
 
 
-def test_construction_failure_leaves_nothing(device: str) -> None:
-    stats = StatisticsDriver(get_driver(device))
+def test_construction_failure_leaves_nothing(device: str, driver: Driver) -> None:
+    stats = StatisticsDriver(driver)
     faulty = FaultInjectingDriver(stats)
     faulty.fail_at("reserve")
     with pytest.raises(DriverError):
@@ -125,9 +127,9 @@ def test_construction_failure_leaves_nothing(device: str) -> None:
     ExtensibleTensor(100, device, driver=faulty).free()
 
 
-def test_byte_limit_makes_a_grow_fail_whole(device: str, granularity: int) -> None:
+def test_byte_limit_makes_a_grow_fail_whole(device: str, driver: Driver, granularity: int) -> None:
     """Out of memory partway through a two-segment grow: nothing committed."""
-    stats = StatisticsDriver(get_driver(device))
+    stats = StatisticsDriver(driver)
     faulty = FaultInjectingDriver(stats, byte_limit=5 * granularity)
     et = ExtensibleTensor(8 * granularity, device, num_segments=2, driver=faulty)
     et.resize_per_segment_(granularity)

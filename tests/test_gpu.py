@@ -98,16 +98,17 @@ def test_release_returns_memory_to_the_device() -> None:
     assert free_before - free_released < 64 * MiB
 
 
-def test_shareable_memory_is_seen_by_another_process(granule: int) -> None:
+def test_shareable_memory_is_seen_by_another_process() -> None:
     driver = get_driver("cuda:0")
     capabilities = getattr(driver, "capabilities", None)
     if capabilities is None or not capabilities(0)[0]:
         pytest.skip("this device does not export POSIX file descriptors")
+    granule = driver.granularity(0, True)
     et = ExtensibleTensor(4 * granule, "cuda", shareable=True, chunk_bytes=granule)
     et.resize_(4 * granule).fill_(7)
-    torch.cuda.synchronize()
-    layout = [(c.offset, c.size, driver.export_handle(c.handle)) for c in et.buffer.chunks]
-    fds = tuple(fd for _, _, fd in layout)
+    shared, exported = et.shared_layout()
+    layout = [(o, n, fd) for (o, n), fd in zip(shared.chunks, exported, strict=True)]
+    fds = tuple(exported)
     try:
         child = run_python(
             f"""
@@ -116,23 +117,23 @@ def test_shareable_memory_is_seen_by_another_process(granule: int) -> None:
             layout = json.loads({json.dumps(json.dumps(layout))})
             total = sum(size for _, size, _ in layout)
             d = get_driver("cuda:0")
-            d.ensure_context(0)
-            ptr = d.reserve(total)
-            handles = []
-            for offset, size, fd in layout:
-                handles.append(d.import_handle(fd))
-                d.map(ptr + offset, size, handles[-1])
-            d.set_access(ptr, total, 0)
-            view = uint8_tensor_from_ptr(ptr, total, 0)
-            assert int(view.min()) == 7 and int(view.max()) == 7
-            view[:16].fill_(9)
-            torch.cuda.synchronize()
-            del view
-            for offset, size, _ in layout:
-                d.unmap(ptr + offset, size)
-            for h in handles:
-                d.release(h)
-            d.free_reserved(ptr, total)
+            with d.context(0):
+                ptr = d.reserve(total, {granule})
+                handles = []
+                for offset, size, fd in layout:
+                    handles.append(d.import_handle(fd))
+                    d.map(ptr + offset, size, handles[-1])
+                d.set_access(ptr, total, 0)
+                view = uint8_tensor_from_ptr(ptr, total, 0)
+                assert int(view.min()) == 7 and int(view.max()) == 7
+                view[:16].fill_(9)
+                torch.cuda.synchronize()
+                del view
+                for offset, size, _ in layout:
+                    d.unmap(ptr + offset, size)
+                for h in handles:
+                    d.release(h)
+                d.free_reserved(ptr, total)
             print("seen")
             """,
             pass_fds=fds,
@@ -161,3 +162,19 @@ def test_cupy_consumes_the_same_views(granule: int) -> None:
     assert et.tensor[:8].eq(6).all()
     del array
     et.free()
+
+
+def test_probing_initializes_cuda_through_torch() -> None:
+    """An engine checking torch.cuda.is_initialized() before forking must
+    learn that probing initialized CUDA."""
+    child = run_python(
+        """
+        import torch
+        from extensible_kv import unavailable_reason
+        assert not torch.cuda.is_initialized()
+        assert unavailable_reason("cuda") is None
+        print(torch.cuda.is_initialized())
+        """
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "True"

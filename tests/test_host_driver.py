@@ -26,7 +26,7 @@ def driver() -> HostDriver:
 
 @pytest.fixture
 def reservation(driver: HostDriver) -> Iterator[int]:
-    ptr = driver.reserve(8 * G)
+    ptr = driver.reserve(8 * G, G)
     yield ptr
     for start in list(driver._mappings):
         driver.unmap(start, driver._mappings[start].size)
@@ -45,13 +45,19 @@ def rss_bytes() -> int:
 def test_reservations_are_aligned_and_granular(driver: HostDriver) -> None:
     assert driver.granularity(0, False) == G
     assert driver.granularity(0, True) == G
-    ptr = driver.reserve(3 * G)
+    ptr = driver.reserve(3 * G, G)
     assert ptr % G == 0
     driver.free_reserved(ptr, 3 * G)
+    coarse = [driver.reserve(G, 16 * G) for _ in range(4)]
+    assert all(p % (16 * G) == 0 for p in coarse)
+    for p in coarse:
+        driver.free_reserved(p, G)
     with pytest.raises(DriverError, match="multiple of the granularity") as info:
-        driver.reserve(G + 1)
+        driver.reserve(G + 1, G)
     assert info.value.code == errno.EINVAL
     assert info.value.name == "EINVAL"
+    with pytest.raises(DriverError, match="power of two"):
+        driver.reserve(G, 3 * G)
 
 
 def test_custom_granularity_must_be_a_power_of_two_page_multiple() -> None:
@@ -97,7 +103,7 @@ def test_shareable_memory_maps_twice_and_exports_to_another_process(
             import ctypes
             from extensible_kv.driver import HostDriver
             d = HostDriver()
-            ptr = d.reserve({G})
+            ptr = d.reserve({G}, {G})
             h = d.import_handle({fd})
             d.map(ptr, {G}, h)
             d.set_access(ptr, {G}, 0)
@@ -227,7 +233,7 @@ def test_touching_memory_without_access_faults(step: str) -> None:
         from extensible_kv.driver import HostDriver
         G = {G}
         d = HostDriver()
-        p = d.reserve(G)
+        p = d.reserve(G, G)
         {setup}
         print("touching", flush=True)
         ctypes.memset(p, 1, 1)

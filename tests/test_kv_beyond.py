@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from extensible_kv import ExtensibleTensor, StatisticsDriver
-from extensible_kv.driver import LiveUsage, get_driver
+from extensible_kv.driver import LiveUsage
 from extensible_kv.kv import KVCacheBuffers
 from extensible_kv.kv.backup import HostBackup
+from extensible_kv.kv.buffers import CommitTicket
 
 MiB = 1 << 20
 
@@ -91,9 +95,9 @@ def test_backups_refuse_regions_of_another_shape() -> None:
 
 
 def test_trim_keeps_the_prefix_and_gives_back_the_rest(
-    stats: StatisticsDriver, device: str
+    stats: StatisticsDriver, device: str, granularity: int
 ) -> None:
-    granule = get_driver(device).granularity(0, False)
+    granule = granularity
     cache = cache_of(device, stats, granule // 4 + 512)
     cache.commit(64)
     expected = fill(cache)
@@ -112,8 +116,8 @@ def test_trim_keeps_the_prefix_and_gives_back_the_rest(
     cache.free()
 
 
-def test_preserving_defragment(stats: StatisticsDriver, device: str) -> None:
-    granule = get_driver(device).granularity(0, False)
+def test_preserving_defragment(stats: StatisticsDriver, device: str, granularity: int) -> None:
+    granule = granularity
     buffers = [
         (ExtensibleTensor(64 * granule, device, driver=stats, chunk_bytes=granule), granule // 2)
     ]
@@ -188,3 +192,63 @@ def test_many_threads_leave_the_cache_consistent(stats: StatisticsDriver, device
     assert live.handles == live.mappings
     cache.free()
     assert stats.live == LiveUsage()
+
+
+def test_a_ticket_waits_on_the_stream_of_the_caches_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MOCKED at the GPU boundary (no CUDA in this torch): the stream a
+    ticket makes wait is asked of the cache's device, not the current one."""
+    asked: list[object] = []
+    waited: list[object] = []
+
+    class Stream:
+        def wait_event(self, event: object) -> None:
+            waited.append(event)
+
+    def current_stream(device: object = None) -> Stream:
+        asked.append(device)
+        return Stream()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    event = object()
+    CommitTicket(4, event, torch.device("cuda", 1)).wait()  # type: ignore[arg-type]
+    assert asked == [torch.device("cuda", 1)]
+    assert waited == [event]
+
+
+class HookedLock:
+    """The cache's lock, running ``hook`` once, just before the thread named
+    ``who`` first takes it."""
+
+    def __init__(self, inner: Any, who: str, hook: Callable[[], object]) -> None:
+        self.inner, self.who = inner, who
+        self.hook: Callable[[], object] | None = hook
+
+    def __enter__(self) -> Any:
+        if self.hook is not None and threading.current_thread().name == self.who:
+            hook, self.hook = self.hook, None
+            hook()
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> Any:
+        return self.inner.__exit__(*exc)
+
+
+def test_free_runs_a_commit_queued_as_it_starts_and_does_not_deadlock(
+    stats: StatisticsDriver, device: str
+) -> None:
+    cache = cache_of(device, stats, 64 * 1024)
+    cache.commit_async(2).result()
+    queued: list[Future[CommitTicket]] = []
+    cache._lock = HookedLock(  # type: ignore[assignment]
+        cache._lock, "freeing", lambda: queued.append(cache.commit_async(7))
+    )
+    freeing = threading.Thread(target=cache.free, name="freeing", daemon=True)
+    freeing.start()
+    freeing.join(timeout=30)
+    assert not freeing.is_alive(), "free() deadlocked on a queued commit"
+    assert queued[0].result(timeout=1).num_blocks == 7
+    assert cache.physical_bytes == 0
+    with pytest.raises(ValueError, match="freed"):
+        cache.commit_async(3)

@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
-from extensible_kv.driver import Driver, LiveUsage, get_driver
+from extensible_kv.driver import Driver, LiveUsage
 from extensible_kv.kv import ExtensibleKVCacheBuffers, KVCacheBuffers
 
 MiB = 1 << 20
@@ -110,8 +110,10 @@ def test_sleep_and_wake(stats: StatisticsDriver, device: str) -> None:
     cache.free()
 
 
-def test_defragment_maps_each_segment_as_one_chunk(stats: StatisticsDriver, device: str) -> None:
-    cache = make_cache(device, stats, chunk_bytes=get_driver(device).granularity(0, False))
+def test_defragment_maps_each_segment_as_one_chunk(
+    stats: StatisticsDriver, device: str, granularity: int
+) -> None:
+    cache = make_cache(device, stats, chunk_bytes=granularity)
     for n in (1, 7, 30):
         cache.commit(n)
     assert max(len(buffer.buffer.chunks) for buffer, _ in cache.buffers) > 2
@@ -176,10 +178,12 @@ def snapshot(cache: KVCacheBuffers, stats: StatisticsDriver, data: bool = True) 
     return (cache.num_blocks_committed, cache.released, per_buffer, stats.live)
 
 
-def filled(device: str) -> tuple[KVCacheBuffers, StatisticsDriver, FaultInjectingDriver]:
-    stats = StatisticsDriver(get_driver(device))
+def filled(
+    device: str, driver: Driver
+) -> tuple[KVCacheBuffers, StatisticsDriver, FaultInjectingDriver]:
+    stats = StatisticsDriver(driver)
     faulty = FaultInjectingDriver(stats)
-    cache = make_cache(device, faulty, chunk_bytes=get_driver(device).granularity(0, False))
+    cache = make_cache(device, faulty, chunk_bytes=driver.granularity(0, False))
     cache.commit(9)
     for i, (buffer, _) in enumerate(cache.buffers):
         for segment in range(buffer.num_segments):
@@ -210,9 +214,9 @@ def prepare(operation: str, cache: KVCacheBuffers) -> None:
 
 @pytest.mark.parametrize("operation", sorted(OPERATIONS))
 def test_a_failure_at_any_call_of_any_buffer_leaves_every_buffer_as_it_was(
-    device: str, operation: str
+    device: str, driver: Driver, operation: str
 ) -> None:
-    clean, clean_stats, _ = filled(device)
+    clean, clean_stats, _ = filled(device, driver)
     prepare(operation, clean)
     before_calls = {n: s.calls for n, s in clean_stats.calls.items()}
     OPERATIONS[operation](clean)
@@ -224,7 +228,7 @@ def test_a_failure_at_any_call_of_any_buffer_leaves_every_buffer_as_it_was(
     for call, count in sorted(made.items()):
         for nth in range(1, count + 1):
             case = f"{operation}: {call} #{nth} of {count}"
-            cache, stats, faulty = filled(device)
+            cache, stats, faulty = filled(device, driver)
             prepare(operation, cache)
             before = snapshot(cache, stats, data=with_data)
             faulty.fail_at(call, nth)
@@ -253,10 +257,11 @@ class KVMachine(RuleBasedStateMachine):
     block, the byte value it must read (None: unknown)."""
 
     device = "cpu"
+    driver: Driver
 
     def __init__(self) -> None:
         super().__init__()
-        self.stats = StatisticsDriver(get_driver(self.device))
+        self.stats = StatisticsDriver(self.driver)
         self.cache = make_cache(self.device, self.stats)
         self.committed = 0
         self.asleep_at: int | None = None
@@ -372,6 +377,6 @@ class KVMachine(RuleBasedStateMachine):
         assert self.stats.live == LiveUsage()
 
 
-def test_kv_state_machine(device: str) -> None:
-    machine = type("KVMachineOn" + device.capitalize(), (KVMachine,), {"device": device})
+def test_kv_state_machine(device: str, driver: Driver) -> None:
+    machine = type("KVMachineOn", (KVMachine,), {"device": device, "driver": driver})
     run_state_machine_as_test(machine)

@@ -11,14 +11,19 @@ import textwrap
 import pytest
 
 from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
-from extensible_kv.driver import LiveUsage, get_driver
+from extensible_kv.driver import Driver, LiveUsage
 from extensible_kv.share import receive_tensor, send_tensor
 from extensible_kv.tensor import SharedLayout
 
+TESTS = os.path.dirname(__file__)
+
 
 def test_another_process_maps_the_same_bytes(
-    stats: StatisticsDriver, device: str, granularity: int
+    stats: StatisticsDriver, vmm_backend: str, device: str
 ) -> None:
+    """The receiver finds the exporter's device by its UUID (device=None);
+    on a simulator, the child runs a simulator of the same GPUs."""
+    granularity = stats.granularity(0, True)
     cap = 3 * granularity + 100
     et = ExtensibleTensor(
         2 * cap, device, num_segments=2, shareable=True, driver=stats, chunk_bytes=granularity
@@ -33,10 +38,15 @@ def test_another_process_maps_the_same_bytes(
             sys.executable,
             "-c",
             textwrap.dedent(f"""
-            import socket, torch
+            import socket, sys, torch
             from extensible_kv.share import receive_tensor
+            sys.path.insert(0, {TESTS!r})
+            driver = None
+            if {vmm_backend!r}.endswith("-sim"):
+                from gpusim import sim_driver
+                driver = sim_driver({vmm_backend!r})[0]
             sock = socket.socket(fileno={theirs.fileno()})
-            t = receive_tensor(sock, {device!r})
+            t = receive_tensor(sock, driver=driver)
             full = t.full_view()
             n, cap = t.bytes_per_segment, t.segment_capacity_bytes
             assert n == {2 * granularity + 7}, n
@@ -99,7 +109,7 @@ def test_only_shareable_buffers_can_be_sent(stats: StatisticsDriver, device: str
 
 
 def test_layouts_round_trip_and_fds_must_match() -> None:
-    layout = SharedLayout(100, 2, 10, ((0, 2 << 20),), "cpu")
+    layout = SharedLayout(100, 2, 10, ((0, 2 << 20),), "cpu", 0, "host-x")
     assert SharedLayout.from_json(layout.to_json()) == layout
     with pytest.raises(ValueError, match="1 chunks need 1 fds, got 0"):
         ExtensibleTensor.from_shared(layout, [])
@@ -115,11 +125,14 @@ def test_a_closed_socket_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize(("call", "nth"), [("import_handle", 2), ("map", 2), ("set_access", 1)])
-def test_a_failing_import_maps_nothing(device: str, granularity: int, call: str, nth: int) -> None:
-    exporter = ExtensibleTensor(4 * granularity, device, shareable=True, chunk_bytes=granularity)
+def test_a_failing_import_maps_nothing(device: str, driver: Driver, call: str, nth: int) -> None:
+    granularity = driver.granularity(0, True)
+    exporter = ExtensibleTensor(
+        4 * granularity, device, shareable=True, driver=driver, chunk_bytes=granularity
+    )
     exporter.resize_(3 * granularity)
     layout, fds = exporter.shared_layout()
-    receiving = StatisticsDriver(get_driver(device))
+    receiving = StatisticsDriver(driver)
     faulty = FaultInjectingDriver(receiving)
     faulty.fail_at(call, nth)
     try:
@@ -130,3 +143,37 @@ def test_a_failing_import_maps_nothing(device: str, granularity: int, call: str,
             os.close(fd)
     assert receiving.live == LiveUsage()
     exporter.free()
+
+
+def test_the_layout_names_the_device_by_ordinal_and_uuid(
+    stats: StatisticsDriver, device: str
+) -> None:
+    et = ExtensibleTensor(1000, device, shareable=True, driver=stats)
+    et.resize_(10)
+    layout, fds = et.shared_layout()
+    for fd in fds:
+        os.close(fd)
+    assert layout.device_index == et.buffer.device
+    assert layout.device_uuid == stats.device_uuid(et.buffer.device)
+    assert SharedLayout.from_json(layout.to_json()) == layout
+    et.free()
+
+
+def test_a_receiver_that_does_not_see_the_gpu_says_so() -> None:
+    """Simulated GPUs: the receiving process sees other GPUs than the sender."""
+    from gpusim import SimMachine, sim_driver
+
+    sender, _ = sim_driver("cuda-sim", SimMachine())
+    elsewhere, _ = sim_driver("cuda-sim", SimMachine(order=[1]))
+    et = ExtensibleTensor(4 << 20, "cpu", shareable=True, driver=sender)
+    et.resize_(10)
+    layout, fds = et.shared_layout()
+    try:
+        with pytest.raises(ValueError, match="not visible to this process"):
+            ExtensibleTensor.from_shared(layout, fds, driver=elsewhere)
+        with pytest.raises(ValueError, match="pass device=None"):
+            ExtensibleTensor.from_shared(layout, fds, "cpu", driver=elsewhere)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    et.free()

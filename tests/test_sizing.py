@@ -104,6 +104,7 @@ def test_memory_utilization_limits_to_a_share_of_the_device() -> None:
         )
 
 
-def test_snapshots_read_the_device(device: str) -> None:
+def test_snapshots_read_the_device(real_device: str) -> None:
+    device = real_device
     snap = MemorySnapshot.take(device)
     assert 0 < snap.free_bytes <= snap.total_bytes

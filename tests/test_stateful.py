@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 )
 
 from extensible_kv import ExtensibleTensor, StatisticsDriver
-from extensible_kv.driver import LiveUsage, get_driver
+from extensible_kv.driver import Driver, LiveUsage
 
 
 class SegmentModel:
@@ -47,13 +47,13 @@ class SegmentModel:
         self.known = self.known[:size]
 
 
-def make_machine(device: str) -> type[RuleBasedStateMachine]:
-    granularity = get_driver(device).granularity(0, False)
+def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
+    granularity = driver.granularity(0, False)
 
     class TensorMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.stats = StatisticsDriver(get_driver(device))
+            self.stats = StatisticsDriver(driver)
             self.et: ExtensibleTensor | None = None
             self.views: list[torch.Tensor] = []
 
@@ -248,5 +248,5 @@ def make_machine(device: str) -> type[RuleBasedStateMachine]:
     return TensorMachine
 
 
-def test_extensible_tensor_state_machine(device: str) -> None:
-    run_state_machine_as_test(make_machine(device))
+def test_extensible_tensor_state_machine(device: str, driver: Driver) -> None:
+    run_state_machine_as_test(make_machine(device, driver))

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,29 @@ class Remap:
     start: int
     end: int
     runs: tuple[_Span, ...]
+
+
+@dataclass(frozen=True)
+class Staging:
+    """The new chunks of some remaps of one buffer, mapped and accessible in
+    a scratch buffer of their own, waiting to be filled and swapped in.
+
+    ``places`` holds, per new chunk, ``(offset, size, scratch_offset)``: its
+    offset in the target buffer, its size and its offset in ``scratch``.
+    """
+
+    scratch: VirtualBuffer
+    remaps: tuple[Remap, ...]
+    places: tuple[tuple[int, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of new memory staged."""
+        return sum(size for _, size, _ in self.places)
+
+    def discard(self) -> None:
+        """Give the staged memory back without swapping it in."""
+        self.scratch.free_quietly()
 
 
 class VirtualBuffer:
@@ -90,7 +113,6 @@ class VirtualBuffer:
         check_int("size", size)
         if size < 0:
             raise ValueError(f"size must be non-negative, got {size}")
-        driver.ensure_context(device)
         granularity = driver.granularity(device, shareable)
         if chunk_bytes is not None and (
             check_int("chunk_bytes", chunk_bytes) <= 0 or chunk_bytes % granularity
@@ -105,13 +127,18 @@ class VirtualBuffer:
         self.granularity = granularity
         self.chunk_bytes = chunk_bytes
         self.size = round_up(max(size, 1), granularity)
-        self.base_ptr = driver.reserve(self.size)
+        # Aligned to the granularity of what will be mapped here: shareable
+        # and RDMA-capable memory may have a coarser one than the driver's
+        # default alignment.
+        with driver.context(device):
+            self.base_ptr = driver.reserve(self.size, granularity)
         self._lock = threading.RLock()
         self._chunks: list[Chunk] = []
         self._chunk_offsets: list[int] = []
         self._mapped = IntervalSet()
         self._unreleased: list[int] = []
         self._views = 0
+        self._context_depth = 0
         self._freed = False
         self._reserved = True
         # A buffer dropped without free() still returns everything. Not at
@@ -135,6 +162,28 @@ class VirtualBuffer:
             f"physical_bytes={self.physical_bytes}, chunks={len(self._chunks)}, "
             f"device={self.device}, freed={self._freed})"
         )
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        """This buffer's device current on this thread, for driver calls.
+
+        Operations enter it once, before their first change, so that failing
+        to make the context current changes nothing; the helpers they call
+        enter it again for free (the buffer's lock keeps other threads out).
+        """
+        if self._context_depth:
+            self._context_depth += 1
+            try:
+                yield
+            finally:
+                self._context_depth -= 1
+            return
+        with self.driver.context(self.device):
+            self._context_depth = 1
+            try:
+                yield
+            finally:
+                self._context_depth = 0
 
     # -- state ----------------------------------------------------------------
 
@@ -217,18 +266,19 @@ class VirtualBuffer:
         All or nothing: on error what this call made is undone.
         """
         made: list[Chunk] = []
-        try:
-            for run in plan:
-                for offset, size in run:
-                    handle = self.driver.create(size, self.device, self.shareable)
-                    made.append(self._map_new(offset, size, handle))
-                # One set_access may span adjacent mappings, and it is one of
-                # the costlier driver calls: grant the whole run at once.
-                start, end = run[0][0], run[-1][0] + run[-1][1]
-                self.driver.set_access(self.base_ptr + start, end - start, self.device)
-        except BaseException:
-            self._unmap_and_release(made)
-            raise
+        with self._context():
+            try:
+                for run in plan:
+                    for offset, size in run:
+                        handle = self.driver.create(size, self.device, self.shareable)
+                        made.append(self._map_new(offset, size, handle))
+                    # One set_access may span adjacent mappings, and it is one
+                    # of the costlier driver calls: grant the whole run at once.
+                    start, end = run[0][0], run[-1][0] + run[-1][1]
+                    self.driver.set_access(self.base_ptr + start, end - start, self.device)
+            except BaseException:
+                self._unmap_and_release(made)
+                raise
         self._add(made)
         return made
 
@@ -245,8 +295,9 @@ class VirtualBuffer:
         """Undo chunks just made, that no kernel can have used yet."""
         for chunk in reversed(chunks):
             try:
-                self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
-                self.driver.release(chunk.handle)
+                with self._context():
+                    self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
+                    self.driver.release(chunk.handle)
             except Exception:
                 logger.exception("rolling back a failed commit leaked %r", chunk)
 
@@ -289,11 +340,17 @@ class VirtualBuffer:
         whole (the driver cannot unmap part of a mapping). Returns the bytes
         released.
         """
-        with self._lock:
-            self._check_usable()
-            needed = self._widened(list(keep))
-            doomed = [c for c in self._chunks if not needed.overlaps(c.offset, c.end)]
-            return _release_chunks([(self, doomed)])
+        return release_outside_together([(self, keep)])
+
+    def _outside(self, keep: Iterable[tuple[int, int]]) -> list[Chunk]:
+        """The chunks holding no byte of ``keep``; validates ``keep``."""
+        self._check_usable()
+        needed = self._widened(list(keep))
+        return [c for c in self._chunks if not needed.overlaps(c.offset, c.end)]
+
+    def synchronize(self) -> None:
+        """Wait until no work queued on the buffer's device can still touch it."""
+        synchronize_buffers([self])
 
     def defragment(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Map ``ranges`` again with one chunk per run, discarding all contents.
@@ -313,8 +370,9 @@ class VirtualBuffer:
                 raise ValueError("only a buffer created with shareable=True can be exported")
             exported: list[tuple[Chunk, int]] = []
             try:
-                for chunk in self._chunks:
-                    exported.append((chunk, self.driver.export_handle(chunk.handle)))
+                with self._context():
+                    for chunk in self._chunks:
+                        exported.append((chunk, self.driver.export_handle(chunk.handle)))
             except BaseException:
                 for _, fd in exported:
                     os.close(fd)
@@ -338,14 +396,15 @@ class VirtualBuffer:
                         f"imported chunk [{offset}, {offset + size}) does not fit an unmapped "
                         f"part of the {self.size}-byte reservation"
                     )
-            self.driver.ensure_context(self.device)
             made: list[Chunk] = []
             try:
-                for offset, size, fd in chunks:
-                    made.append(self._map_new(offset, size, self.driver.import_handle(fd)))
-                for run in _runs_of_chunks(sorted(made, key=lambda c: c.offset)):
-                    start, end = run[0].offset, run[-1].end
-                    self.driver.set_access(self.base_ptr + start, end - start, self.device)
+                # HIP imports onto the current device: make it this buffer's.
+                with self._context():
+                    for offset, size, fd in chunks:
+                        made.append(self._map_new(offset, size, self.driver.import_handle(fd)))
+                    for run in _runs_of_chunks(sorted(made, key=lambda c: c.offset)):
+                        start, end = run[0].offset, run[-1].end
+                        self.driver.set_access(self.base_ptr + start, end - start, self.device)
             except BaseException:
                 self._unmap_and_release(made)
                 raise
@@ -373,55 +432,65 @@ class VirtualBuffer:
                     plans.append(Remap(tuple(group), start, end, tuple(runs)))
             return plans
 
-    def stage(self, remap: Remap) -> VirtualBuffer:
-        """A scratch buffer holding the new chunks of ``remap``, mapped and
-        accessible at ``remap.start``-relative offsets, for the caller to copy
-        the live bytes into before :meth:`swap_in`. The caller frees it on error."""
-        scratch = VirtualBuffer(
-            remap.end - remap.start, self.driver, self.device, shareable=self.shareable
-        )
+    def stage(self, remaps: Sequence[Remap]) -> Staging:
+        """Make the new chunks of ``remaps`` in one scratch reservation,
+        mapped and accessible, for the caller to copy the live bytes into
+        (at :attr:`Staging.places`) before :meth:`swap_in`.
+
+        One reservation serves every remap; its chunks sit a granule apart so
+        that each stays a chunk of its own. All or nothing: on error nothing
+        is left staged. The caller swaps the staging in or discards it.
+        """
+        runs = [run for remap in remaps for run in remap.runs]
+        places, cursor = [], 0
+        for offset, size in runs:
+            places.append((offset, size, cursor))
+            cursor += size + self.granularity
+        scratch = VirtualBuffer(cursor, self.driver, self.device, shareable=self.shareable)
         try:
-            runs = [(offset - remap.start, size) for offset, size in remap.runs]
-            commit_together([(scratch, runs)], whole_runs=True)
+            commit_together([(scratch, [(at, size) for _, size, at in places])], whole_runs=True)
         except BaseException:
             scratch.free_quietly()
             raise
-        return scratch
+        return Staging(scratch, tuple(remaps), tuple(places))
 
-    def swap_in(self, scratch: VirtualBuffer, remap: Remap) -> None:
-        """Replace ``remap.old`` by the chunks of ``scratch``, moved to ``remap.start``.
+    def swap_in(self, staging: Staging) -> None:
+        """Replace the old chunks of ``staging.remaps`` by the staged ones,
+        moved to the same addresses; then free the scratch reservation.
 
-        The memory moves, with its contents (nothing is copied here). All or
-        nothing until the old handles are released; then ``scratch`` is freed.
+        The memory moves with its contents (nothing is copied here). The
+        caller has synchronized the device since filling the staged chunks
+        (:func:`synchronize_buffers`): unmapping does not wait for kernels.
+        All or nothing until the old handles are released.
         """
-        with hold_locks([self, scratch]):
+        scratch = staging.scratch
+        with hold_locks([self, scratch]), contexts_of([self, scratch]):
             self._check_usable()
-            moving = list(scratch._chunks)
-            self.driver.ensure_context(self.device)
-            _synchronize_once([self, scratch])
-            self._detach(remap.old)
-            moved: list[Chunk] = []
+            old = [chunk for remap in staging.remaps for chunk in remap.old]
+            at = {chunk.offset: chunk for chunk in scratch._chunks}
+            moving = [(at[offset], target) for target, _, offset in staging.places]
+            self._detach(old)
+            moved: list[tuple[Chunk, Chunk]] = []
             try:
-                for chunk in moving:
+                for chunk, target in moving:
                     scratch.driver.unmap(scratch.base_ptr + chunk.offset, chunk.size)
-                    here = Chunk(chunk.offset + remap.start, chunk.size, chunk.handle)
+                    here = Chunk(target, chunk.size, chunk.handle)
                     try:
                         self.driver.map(self.base_ptr + here.offset, here.size, here.handle)
                     except BaseException:
                         scratch._map_back([chunk])
                         raise
-                    moved.append(here)
-                for lo, size in remap.runs:
-                    self.driver.set_access(self.base_ptr + lo, size, self.device)
+                    moved.append((here, chunk))
+                for here, _ in moved:
+                    self.driver.set_access(self.base_ptr + here.offset, here.size, self.device)
             except BaseException:
-                for here in moved:
+                for here, chunk in moved:
                     self.driver.unmap(self.base_ptr + here.offset, here.size)
-                    back = Chunk(here.offset - remap.start, here.size, here.handle)
-                    scratch._map_back([back])
-                self._reattach(remap.old)
+                    scratch._map_back([chunk])
+                self._reattach(old)
                 raise
-            scratch._remove(moving)
-            self._add(moved)
+            scratch._remove(chunk for chunk, _ in moving)
+            self._add(here for here, _ in moved)
             self._release_unreleased()
         scratch.free()
 
@@ -436,25 +505,26 @@ class VirtualBuffer:
 
     def _detach(self, chunks: Sequence[Chunk]) -> None:
         """Unmap ``chunks`` (all or none), keeping their handles to release.
-        The caller has synchronized the device (:func:`_synchronize_once`)."""
+        The caller has synchronized the device (:func:`synchronize_buffers`)."""
         if not chunks:
             return
-        self.driver.ensure_context(self.device)
         done: list[Chunk] = []
-        try:
-            for chunk in chunks:
-                self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
-                done.append(chunk)
-        except BaseException:
-            self._map_back(done)
-            raise
+        with self._context():
+            try:
+                for chunk in chunks:
+                    self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
+                    done.append(chunk)
+            except BaseException:
+                self._map_back(done)
+                raise
         self._remove(chunks)
         self._unreleased.extend(chunk.handle for chunk in chunks)
 
     def _map_back(self, chunks: Sequence[Chunk]) -> None:
-        for chunk in chunks:
-            self.driver.map(self.base_ptr + chunk.offset, chunk.size, chunk.handle)
-            self.driver.set_access(self.base_ptr + chunk.offset, chunk.size, self.device)
+        with self._context():
+            for chunk in chunks:
+                self.driver.map(self.base_ptr + chunk.offset, chunk.size, chunk.handle)
+                self.driver.set_access(self.base_ptr + chunk.offset, chunk.size, self.device)
 
     def _reattach(self, chunks: Sequence[Chunk]) -> None:
         """Undo :meth:`_detach`: the chunks' memory, contents and all, comes back."""
@@ -465,9 +535,12 @@ class VirtualBuffer:
 
     def _release_unreleased(self) -> None:
         """Release handles already unmapped; a failure keeps the rest for a retry."""
-        while self._unreleased:
-            self.driver.release(self._unreleased[-1])
-            self._unreleased.pop()
+        if not self._unreleased:
+            return
+        with self._context():
+            while self._unreleased:
+                self.driver.release(self._unreleased[-1])
+                self._unreleased.pop()
 
     # -- lifetime -------------------------------------------------------------
 
@@ -477,14 +550,16 @@ class VirtualBuffer:
         with self._lock:
             if not self._reserved:
                 return
-            self.driver.ensure_context(self.device)
-            self.release_physical()
-            self._freed = True
-            if self._views == 0:
-                self._free_reservation()
+            with self._context():
+                self.release_physical()
+                self._freed = True
+                if self._views == 0:
+                    self._free_reservation()
 
     def _free_reservation(self) -> None:
-        self.driver.free_reserved(self.base_ptr, self.size)
+        # The last view may go in any thread: the context goes with the call.
+        with self._context():
+            self.driver.free_reserved(self.base_ptr, self.size)
         self._reserved = False
         self._finalizer.detach()
 
@@ -501,11 +576,18 @@ class VirtualBuffer:
             self._views -= 1
             if self._views == 0 and self._freed and self._reserved:
                 try:
-                    # The last view may go in any thread: give it a context.
-                    self.driver.ensure_context(self.device)
                     self._free_reservation()
                 except Exception:
                     logger.exception("returning the address range of %r failed", self)
+
+
+def contexts_of(buffers: Iterable[VirtualBuffer]) -> contextlib.ExitStack:
+    """Enter the device context of every buffer (see ``VirtualBuffer._context``)."""
+    stack = contextlib.ExitStack()
+    with stack:
+        for buffer in buffers:
+            stack.enter_context(buffer._context())
+        return stack.pop_all()
 
 
 def hold_locks(buffers: Iterable[VirtualBuffer]) -> contextlib.AbstractContextManager[Any]:
@@ -543,18 +625,18 @@ def commit_together(
     requests = [(buffer, list(ranges)) for buffer, ranges in requests]
     with hold_locks(buffer for buffer, _ in requests):
         plans = [buffer._plan(ranges, whole_runs) for buffer, ranges in requests]
+        work = [(buffer, plan) for (buffer, _), plan in zip(requests, plans, strict=True) if plan]
         made: list[tuple[VirtualBuffer, list[Chunk]]] = []
-        try:
-            for (buffer, _), plan in zip(requests, plans, strict=False):
-                if plan:
-                    buffer.driver.ensure_context(buffer.device)
+        with contexts_of(buffer for buffer, _ in work):
+            try:
+                for buffer, plan in work:
                     buffer._release_unreleased()
                     made.append((buffer, buffer._map_chunks(plan)))
-        except BaseException:
-            for buffer, chunks in reversed(made):
-                buffer._remove(chunks)
-                buffer._unmap_and_release(chunks)
-            raise
+            except BaseException:
+                for buffer, chunks in reversed(made):
+                    buffer._remove(chunks)
+                    buffer._unmap_and_release(chunks)
+                raise
         return [[(run[0][0], sum(size for _, size in run)) for run in plan] for plan in plans]
 
 
@@ -570,34 +652,55 @@ def release_together(buffers: Sequence[VirtualBuffer]) -> int:
         return _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
 
 
-def _synchronize_once(buffers: Iterable[VirtualBuffer]) -> None:
-    """Wait for the devices of ``buffers``, each device once.
+def release_outside_together(
+    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]],
+    *,
+    synchronized: bool = False,
+) -> int:
+    """:meth:`VirtualBuffer.release_outside` on several buffers, unmapping
+    all or nothing across them. With ``synchronized`` the caller has just
+    synchronized their devices (:func:`synchronize_buffers`). Returns the
+    bytes released."""
+    with hold_locks(buffer for buffer, _ in requests):
+        doomed = [(buffer, buffer._outside(keep)) for buffer, keep in requests]
+        return _release_chunks(doomed, synchronized=synchronized)
 
-    Unmapping does not wait for kernels still reading the memory; one wait
-    per device covers every buffer on it (a cache has one per layer).
+
+def synchronize_buffers(buffers: Iterable[VirtualBuffer]) -> None:
+    """Wait until no work queued on the devices of ``buffers`` can still
+    touch them, waiting for each device once.
+
+    Unmapping does not wait for kernels still reading the memory, and a copy
+    issued on one stream is not ordered after writers on others: this is
+    the wait both need. One wait per device covers every buffer on it (a
+    cache has one per layer).
     """
     waited: set[tuple[int, int]] = set()
     for buffer in buffers:
         key = (id(buffer.driver), buffer.device)
         if key not in waited:
             waited.add(key)
-            buffer.driver.ensure_context(buffer.device)
             buffer.driver.synchronize(buffer.device)
 
 
-def _release_chunks(requests: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]]) -> int:
-    _synchronize_once(buffer for buffer, chunks in requests if chunks)
-    detached: list[tuple[VirtualBuffer, Sequence[Chunk]]] = []
-    try:
-        for buffer, chunks in requests:
-            buffer._detach(chunks)
-            detached.append((buffer, chunks))
-    except BaseException:
-        for buffer, chunks in reversed(detached):
-            buffer._reattach(chunks)
-        raise
-    for buffer, _ in requests:
-        buffer._release_unreleased()
+def _release_chunks(
+    requests: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]], *, synchronized: bool = False
+) -> int:
+    if not synchronized:
+        synchronize_buffers(buffer for buffer, chunks in requests if chunks)
+    touched = [buffer for buffer, chunks in requests if chunks or buffer._unreleased]
+    with contexts_of(touched):
+        detached: list[tuple[VirtualBuffer, Sequence[Chunk]]] = []
+        try:
+            for buffer, chunks in requests:
+                buffer._detach(chunks)
+                detached.append((buffer, chunks))
+        except BaseException:
+            for buffer, chunks in reversed(detached):
+                buffer._reattach(chunks)
+            raise
+        for buffer in touched:
+            buffer._release_unreleased()
     return sum(chunk.size for _, chunks in requests for chunk in chunks)
 
 
@@ -614,7 +717,7 @@ def defragment_together(
     """
     requests = [(buffer, list(ranges)) for buffer, ranges in requests]
     buffers = [buffer for buffer, _ in requests]
-    with hold_locks(buffers):
+    with hold_locks(buffers), contexts_of(buffers):
         for buffer, ranges in requests:
             buffer._plan(ranges, True)
         layouts = [_runs_of(buffer._chunks) for buffer in buffers]
@@ -656,13 +759,13 @@ def _teardown(
 ) -> None:
     """Return everything of a buffer garbage-collected without ``free()``."""
     try:
-        driver.ensure_context(device)
         driver.synchronize(device)
-        for chunk in chunks:
-            driver.unmap(base_ptr + chunk.offset, chunk.size)
-            driver.release(chunk.handle)
-        for handle in unreleased:
-            driver.release(handle)
-        driver.free_reserved(base_ptr, size)
+        with driver.context(device):
+            for chunk in chunks:
+                driver.unmap(base_ptr + chunk.offset, chunk.size)
+                driver.release(chunk.handle)
+            for handle in unreleased:
+                driver.release(handle)
+            driver.free_reserved(base_ptr, size)
     except Exception:
         logger.exception("a VirtualBuffer dropped without free() leaked memory")

@@ -37,9 +37,10 @@ DLPACK_ROCM = 10
 _DeleterType = dict(DLManagedTensorVersioned._fields_)["deleter"]
 _ShapeType = ctypes.c_int64 * 1
 
-# Managed structs alive in a consumer, by address: the struct, its shape
-# array and the buffer it holds a view reference on (None for unowned views).
-_LIVE: dict[int, tuple[DLManagedTensorVersioned, Any, VirtualBuffer | None]] = {}
+# Managed structs alive in a consumer, by address: the struct, its shape and
+# strides arrays and the buffer it holds a view reference on (None for
+# unowned views).
+_LIVE: dict[int, tuple[DLManagedTensorVersioned, Any, Any, VirtualBuffer | None]] = {}
 
 
 def _delete(managed: Any, _finalizing: Any = sys.is_finalizing) -> None:
@@ -48,8 +49,8 @@ def _delete(managed: Any, _finalizing: Any = sys.is_finalizing) -> None:
     if _finalizing():
         return
     entry = _LIVE.pop(ctypes.cast(managed, ctypes.c_void_p).value or 0, None)
-    if entry is not None and entry[2] is not None:
-        entry[2].drop_view_ref()
+    if entry is not None and entry[3] is not None:
+        entry[3].drop_view_ref()
 
 
 _DELETER = _DeleterType(_delete)
@@ -63,6 +64,8 @@ def _managed_tensor(
 ) -> DLPackArray:
     managed = DLManagedTensorVersioned()
     shape = _ShapeType(nbytes)
+    # DLPack 1.2 and later forbid NULL strides: one element apart.
+    strides = _ShapeType(1)
     managed.version.major = DLPACK_MAJOR_VERSION
     managed.version.minor = DLPACK_MINOR_VERSION
     managed.deleter = _DELETER
@@ -76,11 +79,11 @@ def _managed_tensor(
     tensor.dtype.bits = 8
     tensor.dtype.lanes = 1
     tensor.shape = ctypes.cast(shape, type(tensor.shape))
-    tensor.strides = None
+    tensor.strides = ctypes.cast(strides, type(tensor.strides))
     tensor.byte_offset = 0
     if owner is not None:
         owner.add_view_ref()
-    _LIVE[ctypes.addressof(managed)] = (managed, shape, owner)
+    _LIVE[ctypes.addressof(managed)] = (managed, shape, strides, owner)
     return DLPackArray(ctypes.pointer(managed))
 
 

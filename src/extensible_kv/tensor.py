@@ -17,28 +17,35 @@ import torch
 from extensible_kv._checks import check_int
 from extensible_kv.buffer import (
     Remap,
+    Staging,
     VirtualBuffer,
     commit_together,
     defragment_together,
     hold_locks,
+    release_outside_together,
     release_together,
+    synchronize_buffers,
 )
 from extensible_kv.dlpack import ByteView, as_tensor
-from extensible_kv.driver import Driver, get_driver, parse_device
+from extensible_kv.driver import Driver, device_with_uuid, get_driver, parse_device
 
 _DLPACK_TYPES = {"cpu": (1,), "cuda": (2, 10)}
 
 
 @dataclass(frozen=True)
 class SharedLayout:
-    """An exported tensor, without its memory: sizes in bytes, and the
-    chunks as ``(offset, size)``, one file descriptor each, in order."""
+    """An exported tensor, without its memory: sizes in bytes, the chunks as
+    ``(offset, size)``, one file descriptor each, in order, and the device
+    the memory lives on: its type, its ordinal in the exporting process and
+    its UUID, which names it in every process whatever devices each sees."""
 
     max_num_bytes: int
     num_segments: int
     bytes_per_segment: int
     chunks: tuple[tuple[int, int], ...]
     device: str
+    device_index: int
+    device_uuid: str
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -72,6 +79,25 @@ def _resolve(
         return torch.device("cpu"), driver
     index = torch.cuda.current_device() if spec.index is None else spec.index
     return torch.device("cuda", index), driver
+
+
+def _importing_device(
+    layout: SharedLayout, device: torch.device | str | int | None, driver: Driver | None
+) -> tuple[torch.device, Driver]:
+    """The device of this process holding the memory ``layout`` describes,
+    and its driver: found by UUID, or ``device`` after checking it is that one."""
+    if device is None:
+        ordinal = device_with_uuid(driver or get_driver(layout.device), layout.device_uuid)
+        device = f"cuda:{ordinal}" if layout.device == "cuda" else layout.device
+    here, driver = _resolve(device, driver)
+    found = driver.device_uuid(here.index or 0)
+    if found != layout.device_uuid:
+        raise ValueError(
+            f"the shared memory lives on device {layout.device_uuid} "
+            f"({layout.device}:{layout.device_index} in the exporting process), but {here} "
+            f"here is {found}; pass device=None to find it"
+        )
+    return here, driver
 
 
 class ExtensibleTensor:
@@ -248,12 +274,11 @@ class ExtensibleTensor:
         new end is mapped again smaller (its live bytes copied into a new
         chunk that takes its place under the same addresses), so
         :attr:`physical_bytes` ends at the minimum the granularity allows.
-        Returns the physical bytes given back.
+        Returns the physical bytes given back. See :func:`shrink_per_segment_all`.
         """
-        with self._buffer._lock:
-            return self._shrink(bytes_per_segment)
+        return shrink_per_segment_all([(self, bytes_per_segment)])
 
-    def _shrink(self, bytes_per_segment: int) -> int:
+    def _check_shrink(self, bytes_per_segment: int) -> None:
         self._check_alive("shrink_per_segment_")
         check_int("bytes_per_segment", bytes_per_segment)
         old = self._bytes_per_segment
@@ -264,46 +289,12 @@ class ExtensibleTensor:
                 f"shrink_per_segment_ cannot grow from {old} to {bytes_per_segment} "
                 f"bytes per segment; use resize_per_segment_"
             )
-        physical = self._buffer.physical_bytes
-        keep = self._segment_ranges(0, bytes_per_segment)
-        try:
-            self._buffer.release_outside(keep)
-        except BaseException:
-            # The unmapping is all or nothing; a failure after it (releasing
-            # handles, retried later) still leaves the prefix cut.
-            if self._buffer.physical_bytes < physical:
-                self._bytes_per_segment = bytes_per_segment
-            raise
-        self._bytes_per_segment = bytes_per_segment
-        self._remap(keep, merge=False)
-        return physical - self._buffer.physical_bytes
 
-    def _remap(self, keep: list[tuple[int, int]], *, merge: bool) -> None:
-        """Map again the chunks holding granules ``keep`` does not need (or,
-        with ``merge``, every run of chunks as one), contents kept.
-
-        Every new chunk is first mapped at a scratch reservation and filled
-        by a device copy; only when all are made (where running out of memory
-        would fail) is each swapped in under the same addresses. A failure
-        while swapping leaves the chunks swapped so far in place, contents
-        intact either way.
-        """
-        staged: list[tuple[Remap, VirtualBuffer]] = []
-        try:
-            for remap in self._buffer.plan_remaps(keep, merge=merge):
-                scratch = self._buffer.stage(remap)
-                staged.append((remap, scratch))
-                for offset, size in remap.runs:
-                    target = as_tensor(scratch, offset - remap.start, size)
-                    target.copy_(as_tensor(self._buffer, offset, size))
-                    del target
-            while staged:
-                remap, scratch = staged[0]
-                self._buffer.swap_in(scratch, remap)
-                staged.pop(0)
-        finally:
-            for _, scratch in staged:
-                scratch.free_quietly()
+    def _fill(self, staging: Staging) -> None:
+        """Copy the live bytes of the chunks being replaced into ``staging``
+        (device copies on the current stream)."""
+        for offset, size, at in staging.places:
+            as_tensor(staging.scratch, at, size).copy_(as_tensor(self._buffer, offset, size))
 
     def release_physical(self) -> None:
         """Release all physical memory, keeping the address range and views.
@@ -355,18 +346,15 @@ class ExtensibleTensor:
 
         Both processes read and write the same bytes. The fds stay the
         caller's. Growing the result maps memory of this process only.
+        ``device`` None finds the exporter's device among this process's by
+        its UUID; a device given must be that one.
         """
         if len(fds) != len(layout.chunks):
             raise ValueError(
                 f"{len(layout.chunks)} chunks need {len(layout.chunks)} fds, got {len(fds)}"
             )
-        tensor = cls(
-            layout.max_num_bytes,
-            layout.device if device is None else device,
-            layout.num_segments,
-            shareable=True,
-            driver=driver,
-        )
+        here, driver = _importing_device(layout, device, driver)
+        tensor = cls(layout.max_num_bytes, here, layout.num_segments, shareable=True, driver=driver)
         try:
             tensor._buffer.map_imported(
                 [(offset, size, fd) for (offset, size), fd in zip(layout.chunks, fds, strict=True)]
@@ -380,16 +368,24 @@ class ExtensibleTensor:
     def shared_layout(self) -> tuple[SharedLayout, list[int]]:
         """What another process needs to map this tensor's committed memory:
         the layout and one new fd per chunk (the caller closes them). Needs a
-        tensor created with ``shareable=True``."""
+        tensor created with ``shareable=True``.
+
+        Waits first for all work queued on the device (every stream): the
+        receiver reads the memory at once, without any order to that work.
+        """
         with self._buffer._lock:
             self._check_alive("sharing")
+            self._buffer.synchronize()
             exported = self._buffer.export_chunks()
+            index = self._buffer.device
             layout = SharedLayout(
                 max_num_bytes=self._max_num_bytes,
                 num_segments=self._num_segments,
                 bytes_per_segment=self._bytes_per_segment,
                 chunks=tuple((chunk.offset, chunk.size) for chunk, _ in exported),
                 device=self._device.type,
+                device_index=index,
+                device_uuid=self._buffer.driver.device_uuid(index),
             )
             return layout, [fd for _, fd in exported]
 
@@ -487,14 +483,100 @@ def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:
                     tensor._bytes_per_segment = 0
 
 
+def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int:
+    """Cut several tensors, each to its ``bytes_per_segment``, and give back
+    the physical memory past the new ends. Returns the bytes given back.
+
+    First one synchronize of their devices: work queued on any stream, not
+    only the caller's, is done before anything is copied or unmapped. Then
+    every chunk holding no kept byte is released (unmapping all or nothing
+    across the tensors), and the chunks straddling a new end are mapped
+    again smaller with their live bytes (:func:`_remap_all`). If that last
+    step fails (out of memory), the prefixes are cut, contents intact, the
+    straddling chunks stay whole (counted in ``physical_bytes``) and the
+    error propagates.
+    """
+    with hold_locks(tensor._buffer for tensor, _ in items):
+        for tensor, bytes_per_segment in items:
+            tensor._check_shrink(bytes_per_segment)
+        before = [tensor.physical_bytes for tensor, _ in items]
+        keeps = [(tensor, tensor._segment_ranges(0, n)) for tensor, n in items]
+        synchronize_buffers(tensor._buffer for tensor, _ in items)
+        try:
+            released = release_outside_together(
+                [(tensor._buffer, keep) for tensor, keep in keeps], synchronized=True
+            )
+        finally:
+            # Unmapping is all or nothing; if it happened, the prefixes are
+            # cut even when releasing a handle failed (the next call retries).
+            for (tensor, n), physical in zip(items, before, strict=True):
+                if tensor.physical_bytes < physical:
+                    tensor._bytes_per_segment = n
+        for tensor, n in items:
+            tensor._bytes_per_segment = n
+        _remap_all(keeps, merge=False, headroom=released)
+        return sum(before) - sum(tensor.physical_bytes for tensor, _ in items)
+
+
+def _remap_all(
+    items: Sequence[tuple[ExtensibleTensor, list[tuple[int, int]]]], *, merge: bool, headroom: int
+) -> None:
+    """Map again, contents kept, each tensor's chunks holding granules its
+    kept ranges do not need (with ``merge``: every run of chunks, as one
+    chunk per run of kept granules).
+
+    The new chunks of a tensor are made at a scratch reservation and filled
+    by device copies; a batch of tensors is then synchronized once and
+    swapped in under the same addresses. A batch stages at most ``headroom``
+    bytes (what was just released) or one tensor's worth, so memory never
+    peaks above what the tensors held before plus one tensor's new chunks.
+    Running out of memory while staging leaves that batch as it was; a
+    failure while swapping leaves the tensors swapped so far swapped;
+    contents are intact either way.
+    """
+    plans = [(tensor, tensor._buffer.plan_remaps(keep, merge=merge)) for tensor, keep in items]
+    for batch in _batches([(t, remaps) for t, remaps in plans if remaps], headroom):
+        staged: list[tuple[ExtensibleTensor, Staging]] = []
+        try:
+            for tensor, remaps in batch:
+                staged.append((tensor, tensor._buffer.stage(remaps)))
+                tensor._fill(staged[-1][1])
+            synchronize_buffers(tensor._buffer for tensor, _ in staged)
+            while staged:
+                tensor, staging = staged[0]
+                tensor._buffer.swap_in(staging)
+                staged.pop(0)
+        finally:
+            for _, staging in staged:
+                staging.discard()
+
+
+def _batches(
+    plans: list[tuple[ExtensibleTensor, list[Remap]]], headroom: int
+) -> list[list[tuple[ExtensibleTensor, list[Remap]]]]:
+    """``plans`` in order, grouped so that a group's new bytes stay within
+    ``headroom`` or the largest plan's, whichever is more."""
+    sizes = [sum(n for remap in remaps for _, n in remap.runs) for _, remaps in plans]
+    budget = max([headroom, *sizes])
+    batches: list[list[tuple[ExtensibleTensor, list[Remap]]]] = []
+    total = 0
+    for plan, size in zip(plans, sizes, strict=True):
+        if not batches or total + size > budget:
+            batches.append([])
+            total = 0
+        batches[-1].append(plan)
+        total += size
+    return batches
+
+
 def defragment_all(tensors: Sequence[ExtensibleTensor], *, preserve: bool = False) -> None:
     """:meth:`ExtensibleTensor.defragment_` on several tensors.
 
     Discarding: all or nothing; if the new chunks cannot be made, each tensor
     keeps its committed size on its previous chunk layout, zeroed, and the
-    error propagates. Preserving: one tensor after another; contents are
-    kept whatever fails, and if making the new chunks fails (out of memory)
-    that tensor is as it was.
+    error propagates. Preserving: contents are kept whatever fails; tensors
+    are remapped in batches (see :func:`_remap_all`), and if making the new
+    chunks fails (out of memory) the tensors of that batch are as they were.
     """
     with hold_locks(tensor._buffer for tensor in tensors):
         _defragment(tensors, preserve)
@@ -505,9 +587,11 @@ def _defragment(tensors: Sequence[ExtensibleTensor], preserve: bool) -> None:
         tensor._check_alive("defragment_")
     prefixes = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
     if preserve:
-        for tensor, ranges in zip(tensors, prefixes, strict=True):
-            tensor._buffer.release_outside(ranges)
-            tensor._remap(ranges, merge=True)
+        synchronize_buffers(tensor._buffer for tensor in tensors)
+        released = release_outside_together(
+            [(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)], synchronized=True
+        )
+        _remap_all(list(zip(tensors, prefixes, strict=True)), merge=True, headroom=released)
         return
     layouts = [tensor._buffer.chunks for tensor in tensors]
     try:

@@ -3,9 +3,11 @@ ratios to a baseline measured in the same run, repeats interleaved."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -272,8 +274,14 @@ class NullDriver:
     def granularity(self, device: int, shareable: bool) -> int:
         return self._granularity
 
-    def reserve(self, size: int) -> int:
+    def reserve(self, size: int, alignment: int) -> int:
         return 1 << 40
+
+    def device_count(self) -> int:
+        return 1
+
+    def device_uuid(self, device: int) -> str:
+        return "null"
 
     def create(self, size: int, device: int, shareable: bool) -> int:
         return next(self._ids)
@@ -290,7 +298,8 @@ class NullDriver:
     def import_handle(self, fd: int) -> int:
         raise NotImplementedError("the null driver shares nothing")
 
-    def ensure_context(self, device: int) -> None: ...
+    def context(self, device: int) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 def bookkeeping(granules: int, real_granules: int) -> Row:

@@ -14,7 +14,13 @@ from extensible_kv.driver.adaptors import (
 from extensible_kv.driver.errors import BackendUnavailableError, DriverError, OutOfMemoryError
 from extensible_kv.driver.host import HostDriver
 from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
-from extensible_kv.driver.select import DeviceSpec, get_driver, parse_device, unavailable_reason
+from extensible_kv.driver.select import (
+    DeviceSpec,
+    device_with_uuid,
+    get_driver,
+    parse_device,
+    unavailable_reason,
+)
 
 __all__ = [
     "DRIVER_CALLS",
@@ -29,6 +35,7 @@ __all__ = [
     "LiveUsage",
     "OutOfMemoryError",
     "StatisticsDriver",
+    "device_with_uuid",
     "get_driver",
     "parse_device",
     "unavailable_reason",

@@ -10,9 +10,17 @@ from __future__ import annotations
 import threading
 import warnings
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from typing import Any
 
 from extensible_kv.driver.errors import DriverError, OutOfMemoryError
+
+
+def format_uuid(raw: bytes) -> str:
+    """16 bytes of a device UUID as ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``
+    (the form nvidia-smi and ``CUDA_VISIBLE_DEVICES`` use)."""
+    h = bytes(raw[:16]).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 class GpuDriver(ABC):
@@ -61,7 +69,13 @@ class GpuDriver(ABC):
     def device_count(self) -> int: ...
 
     @abstractmethod
+    def device_uuid(self, device: int) -> str: ...
+
+    @abstractmethod
     def supports_vmm(self, device: int) -> bool: ...
+
+    @abstractmethod
+    def context(self, device: int) -> AbstractContextManager[None]: ...
 
     def unavailable_reason(self, device: int) -> str | None:
         """Why ``device`` cannot use virtual memory management, or None.
@@ -80,18 +94,15 @@ class GpuDriver(ABC):
                     f"the {self.backend} driver does not support virtual memory management "
                     f"on cuda:{device} (WSL2 and some virtualized GPUs lack it)"
                 )
-            self.ensure_context(device)
             size = self.granularity(device, False)
-            self.free_reserved(self.reserve(size), size)
+            with self.context(device):
+                self.free_reserved(self.reserve(size, size), size)
         except DriverError as exc:
             return f"probing cuda:{device} failed: {exc}"
         return None
 
     @abstractmethod
-    def ensure_context(self, device: int) -> None: ...
-
-    @abstractmethod
-    def reserve(self, size: int) -> int: ...
+    def reserve(self, size: int, alignment: int) -> int: ...
 
     @abstractmethod
     def free_reserved(self, ptr: int, size: int) -> None: ...
@@ -110,7 +121,8 @@ class GpuDriver(ABC):
     def granularity(self, device: int, shareable: bool) -> int:
         key = (device, shareable)
         if key not in self._granularity:
-            granularity = self._query_granularity(self._prop_for(device, shareable))
+            with self.context(device):
+                granularity = self._query_granularity(self._prop_for(device, shareable))
             with self._lock:
                 self._granularity[key] = granularity
         return self._granularity[key]
@@ -121,6 +133,10 @@ class GpuDriver(ABC):
     def _create(self, size: int, prop: Any) -> int: ...
 
     def create(self, size: int, device: int, shareable: bool) -> int:
+        with self.context(device):
+            return self._create_on(size, device, shareable)
+
+    def _create_on(self, size: int, device: int, shareable: bool) -> int:
         if not shareable or device in self._plain_only:
             return self._create(size, self._allocation_prop(device, False))
 
@@ -138,7 +154,7 @@ class GpuDriver(ABC):
                     f"allocating plain memory instead: it cannot be exported to other "
                     f"processes or registered for RDMA",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             return self._create(size, self._allocation_prop(device, False))
 

@@ -16,6 +16,7 @@ import bisect
 import errno
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,8 +47,14 @@ class DriverAdaptor:
     def granularity(self, device: int, shareable: bool) -> int:
         return int(self._call("granularity", device, shareable))
 
-    def reserve(self, size: int) -> int:
-        return int(self._call("reserve", size))
+    def device_count(self) -> int:
+        return int(self._call("device_count"))
+
+    def device_uuid(self, device: int) -> str:
+        return str(self._call("device_uuid", device))
+
+    def reserve(self, size: int, alignment: int) -> int:
+        return int(self._call("reserve", size, alignment))
 
     def free_reserved(self, ptr: int, size: int) -> None:
         self._call("free_reserved", ptr, size)
@@ -76,8 +83,9 @@ class DriverAdaptor:
     def import_handle(self, fd: int) -> int:
         return int(self._call("import_handle", fd))
 
-    def ensure_context(self, device: int) -> None:
-        self._call("ensure_context", device)
+    def context(self, device: int) -> AbstractContextManager[None]:
+        manager: AbstractContextManager[None] = self._call("context", device)
+        return manager
 
 
 @dataclass

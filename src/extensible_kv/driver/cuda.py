@@ -6,10 +6,13 @@ from the bindings' own types; nothing here knows a struct layout.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
-from extensible_kv.driver._gpu import GpuDriver
+from extensible_kv.driver._gpu import GpuDriver, format_uuid
 
 
 def load_bindings() -> Any:
@@ -51,6 +54,11 @@ class CudaDriver(GpuDriver):
     def device_count(self) -> int:
         return int(self._check("cuDeviceGetCount", self._b.cuDeviceGetCount()))
 
+    def device_uuid(self, device: int) -> str:
+        dev = self._check("cuDeviceGet", self._b.cuDeviceGet(device))
+        uuid = self._check("cuDeviceGetUuid", self._b.cuDeviceGetUuid(dev))
+        return format_uuid(uuid.bytes)
+
     def _attribute(self, name: str, device: int) -> int:
         attribute = getattr(self._b.CUdevice_attribute, name)
         dev = self._check("cuDeviceGet", self._b.cuDeviceGet(device))
@@ -91,18 +99,30 @@ class CudaDriver(GpuDriver):
                 )
             return self._contexts[device]
 
-    def ensure_context(self, device: int) -> None:
+    def context(self, device: int) -> AbstractContextManager[None]:
+        return self._pushed(device)
+
+    @contextlib.contextmanager
+    def _pushed(self, device: int) -> Iterator[None]:
+        # Contexts are per thread. Pushing the device's primary context, and
+        # popping it after, leaves the thread as it was: a thread that had no
+        # context does not end up with cuda:N current behind torch's back, and
+        # a thread working on another device keeps it.
+        target = self._primary_context(device)
         current = self._check("cuCtxGetCurrent", self._b.cuCtxGetCurrent())
-        if current is None or int(current) == 0:
-            self._check("cuCtxSetCurrent", self._b.cuCtxSetCurrent(self._primary_context(device)))
+        if current is not None and int(current) == int(target):
+            yield
+            return
+        self._check("cuCtxPushCurrent", self._b.cuCtxPushCurrent(target))
+        try:
+            yield
+        finally:
+            self._check("cuCtxPopCurrent", self._b.cuCtxPopCurrent())
 
     def synchronize(self, device: int) -> None:
         """Wait for all work in ``device``'s primary context, whatever is current."""
-        self._check("cuCtxPushCurrent", self._b.cuCtxPushCurrent(self._primary_context(device)))
-        try:
+        with self.context(device):
             self._check("cuCtxSynchronize", self._b.cuCtxSynchronize())
-        finally:
-            self._check("cuCtxPopCurrent", self._b.cuCtxPopCurrent())
 
     # -- structs ----------------------------------------------------------------
 
@@ -143,8 +163,10 @@ class CudaDriver(GpuDriver):
             )
         )
 
-    def reserve(self, size: int) -> int:
-        return int(self._check("cuMemAddressReserve", self._b.cuMemAddressReserve(size, 0, 0, 0)))
+    def reserve(self, size: int, alignment: int) -> int:
+        return int(
+            self._check("cuMemAddressReserve", self._b.cuMemAddressReserve(size, alignment, 0, 0))
+        )
 
     def free_reserved(self, ptr: int, size: int) -> None:
         self._check("cuMemAddressFree", self._b.cuMemAddressFree(ptr, size))
@@ -162,9 +184,10 @@ class CudaDriver(GpuDriver):
         self._check("cuMemUnmap", self._b.cuMemUnmap(ptr, size))
 
     def set_access(self, ptr: int, size: int, device: int) -> None:
-        self._check(
-            "cuMemSetAccess", self._b.cuMemSetAccess(ptr, size, [self.access_desc(device)], 1)
-        )
+        with self.context(device):
+            self._check(
+                "cuMemSetAccess", self._b.cuMemSetAccess(ptr, size, [self.access_desc(device)], 1)
+            )
 
     def export_handle(self, handle: int) -> int:
         posix_fd = self._b.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR

@@ -21,18 +21,22 @@ whole library on machines without a GPU.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import itertools
 import os
 import stat
 import sys
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from extensible_kv.driver import _libc
 from extensible_kv.driver.errors import DriverError, OutOfMemoryError
 
 DEFAULT_GRANULARITY = 2 << 20
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 @dataclass
@@ -177,19 +181,31 @@ class HostDriver:
         self._check_device("granularity", device)
         return self._granularity
 
-    def ensure_context(self, device: int) -> None:
-        self._check_device("ensure_context", device)
+    def context(self, device: int) -> AbstractContextManager[None]:
+        """The host has no contexts: a block that changes nothing."""
+        self._check_device("context", device)
+        return contextlib.nullcontext()
+
+    def device_count(self) -> int:
+        return 1
+
+    def device_uuid(self, device: int) -> str:
+        """``host-`` and the kernel's boot id: every process of this boot shares it."""
+        self._check_device("device_uuid", device)
+        return f"host-{_BOOT_ID.read_text().strip()}"
 
     def synchronize(self, device: int) -> None:
         """Host memory operations are synchronous: nothing to wait for."""
         self._check_device("synchronize", device)
 
-    def reserve(self, size: int) -> int:
+    def reserve(self, size: int, alignment: int) -> int:
         self._check_aligned("reserve", size)
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise _invalid("reserve", f"alignment must be a power of two, got {alignment}")
         try:
             ptr = _libc.map_aligned(
                 size,
-                self._alignment,
+                max(alignment, self._alignment),
                 _libc.PROT_NONE,
                 _libc.MAP_PRIVATE | _libc.MAP_NORESERVE,
             )

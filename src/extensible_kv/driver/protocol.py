@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 #: The calls of the protocol, by name: adaptors and tests use it to cover them all.
 DRIVER_CALLS: tuple[str, ...] = (
-    "ensure_context",
+    "context",
+    "device_count",
+    "device_uuid",
     "granularity",
     "reserve",
     "create",
@@ -37,7 +40,14 @@ class Driver(Protocol):
     * ``unmap`` covers whole mappings only;
     * ``release`` may be called while the handle is mapped: the memory goes
       back when its last mapping and its last handle are gone;
-    * ``free_reserved`` requires the range to hold no mapping.
+    * ``free_reserved`` requires the range to hold no mapping;
+    * calls that name a device (``granularity``, ``create``, ``set_access``,
+      ``synchronize``, ``device_uuid``) make its context current themselves;
+      the others (``reserve``, ``free_reserved``, ``map``, ``unmap``,
+      ``release``, ``export_handle``, ``import_handle``) need the context of
+      the device they concern current on the calling thread: wrap them in
+      ``with driver.context(device):`` (contexts are per thread, as on CUDA;
+      HIP's imports land on the current device).
 
     Failures raise :class:`~extensible_kv.driver.DriverError`, and
     :class:`~extensible_kv.driver.OutOfMemoryError` when memory or address
@@ -59,8 +69,19 @@ class Driver(Protocol):
         """Minimum mapping unit, in bytes, for that kind of allocation."""
         ...
 
-    def reserve(self, size: int) -> int:
-        """Reserve ``size`` bytes of virtual addresses, granularity-aligned; no memory."""
+    def device_count(self) -> int:
+        """Devices this backend sees (ordinals ``0 .. count - 1``)."""
+        ...
+
+    def device_uuid(self, device: int) -> str:
+        """A name for ``device`` that is the same in every process of this
+        machine, whatever devices each process sees (``GPU-...`` on a GPU)."""
+        ...
+
+    def reserve(self, size: int, alignment: int) -> int:
+        """Reserve ``size`` bytes of virtual addresses starting at a multiple
+        of ``alignment`` (a power of two: the granularity of what will be
+        mapped there); no memory."""
         ...
 
     def free_reserved(self, ptr: int, size: int) -> None:
@@ -99,6 +120,7 @@ class Driver(Protocol):
         """A handle for the memory behind ``fd``; ``fd`` stays the caller's."""
         ...
 
-    def ensure_context(self, device: int) -> None:
-        """Make a driver context for ``device`` current on this thread."""
+    def context(self, device: int) -> AbstractContextManager[None]:
+        """Make ``device``'s driver context current on this thread for a
+        ``with`` block, and put back whatever was current (or nothing) after."""
         ...

@@ -80,6 +80,7 @@ def _gpu_driver() -> GpuDriver:
     global _gpu
     with _gpu_lock:
         if _gpu is None:
+            _initialize_torch()
             if is_rocm():
                 from extensible_kv.driver.hip import HipDriver
 
@@ -89,6 +90,30 @@ def _gpu_driver() -> GpuDriver:
 
                 _gpu = CudaDriver()
         return _gpu
+
+
+def device_with_uuid(driver: Driver, uuid: str) -> int:
+    """The ordinal under which ``driver`` sees the device named ``uuid``
+    (processes may see different devices, or the same in another order)."""
+    seen = [driver.device_uuid(ordinal) for ordinal in range(driver.device_count())]
+    if uuid not in seen:
+        raise ValueError(
+            f"device {uuid} is not visible to this process, which sees "
+            f"{', '.join(seen) or 'no device'} (check CUDA_VISIBLE_DEVICES)"
+        )
+    return seen.index(uuid)
+
+
+def _initialize_torch() -> None:
+    """Initialize CUDA (or ROCm) through torch before the driver is touched.
+
+    The backend's ``cuInit`` and primary context would otherwise initialize
+    the device while ``torch.cuda.is_initialized()`` stays False, and an
+    engine that checks that flag before forking workers would fork with
+    CUDA initialized underneath. A torch without GPU support is left alone.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.init()  # type: ignore[no-untyped-call]
 
 
 def get_driver(device: object) -> Driver:
@@ -106,25 +131,36 @@ def get_driver(device: object) -> Driver:
 def unavailable_reason(device: object = "cuda") -> str | None:
     """Why virtual memory management cannot be used on ``device``, or None.
 
-    Probes once per device (bindings import, driver loads, device exists and
+    Probes the device (bindings import, driver loads, device exists and
     supports VMM, granularity, reserve and free) and never raises: an
-    unreadable device is itself a reason. ``"cuda"`` without an ordinal
-    probes device 0.
+    unreadable device is itself a reason. A device found usable is not
+    probed again; one that is not is probed again on the next call, since
+    what was missing (a driver, a free device) may have come since.
+    ``"cuda"`` without an ordinal probes device 0.
     """
     try:
         spec = parse_device(device)
     except ValueError as exc:
         return str(exc)
-    return _probe(spec.type, spec.index)
+    key = (spec.type, spec.index)
+    if key in _usable:
+        return None
+    reason = _probe(*key)
+    if reason is None:
+        _usable.add(key)
+    return reason
 
 
-@functools.cache
+#: Devices whose probe passed, as (type, index).
+_usable: set[tuple[str, int | None]] = set()
+
+
 def _probe(kind: str, index: int | None) -> str | None:
     if kind == "cpu":
         try:
             driver = _host_driver()
             size = driver.granularity(0, False)
-            driver.free_reserved(driver.reserve(size), size)
+            driver.free_reserved(driver.reserve(size, size), size)
         except (DriverError, OSError) as exc:
             return str(exc)
         return None

@@ -6,6 +6,14 @@ two slots in flight so that both run at once. Peak pinned memory is the
 ring (``2 * staging_bytes``), whatever the cache's size; the backup itself
 is ordinary (pageable) memory, handed back to the OS when dropped. On the
 host backend a backup is one plain copy.
+
+The slots come from torch's pinned-memory cache and go back to it when a
+copy ends, on purpose: the next sleep or wake (and any pinned tensor of
+the engine's of that size) reuses them instead of pinning pages again,
+which costs milliseconds per MiB. So the process keeps at most the ring's
+``2 * staging_bytes`` pinned after the first preserving sleep;
+``torch.accelerator.memory.empty_host_cache()`` (where torch has it) gives
+them back to the OS.
 """
 
 from __future__ import annotations

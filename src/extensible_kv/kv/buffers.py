@@ -12,12 +12,14 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from extensible_kv._checks import check_int
+from extensible_kv.buffer import synchronize_buffers
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
     defragment_all,
     release_physical_all,
     resize_per_segment_all,
+    shrink_per_segment_all,
 )
 
 _P = ParamSpec("_P")
@@ -45,16 +47,19 @@ class CommitTicket:
     """The outcome of :meth:`KVCacheBuffers.commit_async`.
 
     ``event`` (GPU only) is recorded after the zeroing of the new blocks, on
-    the cache's commit stream; :meth:`wait` makes a stream wait for it.
+    the cache's commit stream on ``device``; :meth:`wait` makes a stream
+    wait for it.
     """
 
     num_blocks: int
     event: torch.cuda.Event | None
+    device: torch.device
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current one) wait for the zeroing."""
+        """Make ``stream`` (default: the current stream of the cache's device,
+        not of the current device) wait for the zeroing."""
         if self.event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(self.event)
+            (stream or torch.cuda.current_stream(self.device)).wait_event(self.event)
 
 
 class KVCacheBuffers:
@@ -88,6 +93,7 @@ class KVCacheBuffers:
         self._queue: ThreadPoolExecutor | None = None
         self._queued: Future[CommitTicket] | None = None
         self._commit_stream: torch.cuda.Stream | None = None
+        self._freed = False
         for buffer, bytes_per_block in buffers:
             self._check_buffer(buffer, bytes_per_block)
             self.buffers.append((buffer, bytes_per_block))
@@ -180,8 +186,9 @@ class KVCacheBuffers:
 
     def _shrink_back(self, num_blocks: int) -> None:
         """Undo a grow: release the chunks it made (they hold no older block)."""
-        for buffer, per_block in self.buffers:
-            buffer.shrink_per_segment_(num_blocks * per_block)
+        shrink_per_segment_all(
+            [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
+        )
         self._committed = num_blocks
 
     def _grow(self, num_blocks: int, zero_new: bool = True) -> None:
@@ -208,8 +215,11 @@ class KVCacheBuffers:
         Blocks past the new count are discarded; a chunk straddling the new
         end is mapped again smaller with its live blocks kept, so
         :attr:`physical_bytes` ends at the minimum the granularity allows.
-        If a buffer fails, those already trimmed grow back (their blocks past
-        ``num_blocks`` then read zero) and the count stays.
+        Waits first for all work on the device (every stream, not only the
+        caller's). Unmapping is all or nothing across the buffers: if it
+        fails, nothing changed. If mapping a straddling chunk again smaller
+        fails (out of memory), the trim is done but that chunk stays whole
+        (counted in :attr:`physical_bytes`), and the error propagates.
         """
         self._check_awake("trim()")
         check_int("num_blocks", num_blocks)
@@ -218,16 +228,13 @@ class KVCacheBuffers:
                 f"trim keeps 0 to {self._committed} blocks (the committed count), "
                 f"not {num_blocks}; commit() grows"
             )
-        done: list[tuple[ExtensibleTensor, int]] = []
         try:
-            for buffer, per_block in self.buffers:
-                buffer.shrink_per_segment_(num_blocks * per_block)
-                done.append((buffer, per_block))
-        except BaseException:
-            regrow = [(b, self._committed * per_block) for b, per_block in done]
-            resize_per_segment_all(regrow, zero_new=True)
-            raise
-        self._committed = num_blocks
+            shrink_per_segment_all(
+                [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
+            )
+        finally:
+            if all(b.bytes_per_segment == num_blocks * per_block for b, per_block in self.buffers):
+                self._committed = num_blocks
 
     @_serialized
     def defragment(self, preserve: bool = True) -> None:
@@ -267,6 +274,8 @@ class KVCacheBuffers:
         """
         check_int("num_blocks", num_blocks)
         with self._lock:
+            if self._freed:
+                raise ValueError("the KV cache has been freed; commit_async is no longer possible")
             if self._queue is None:
                 self._queue = ThreadPoolExecutor(1, thread_name_prefix="extensible-kv-commit")
             future = self._queue.submit(self._commit_job, num_blocks)
@@ -278,14 +287,14 @@ class KVCacheBuffers:
             device = self.buffers[0][0].device if self.buffers else torch.device("cpu")
             if device.type != "cuda":
                 self._commit(num_blocks)
-                return CommitTicket(num_blocks, None)
+                return CommitTicket(num_blocks, None, device)
             if self._commit_stream is None:
                 self._commit_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             with torch.cuda.stream(self._commit_stream):
                 self._commit(num_blocks)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self._commit_stream)
-            return CommitTicket(num_blocks, event)
+            return CommitTicket(num_blocks, event, device)
 
     def _wait_for_queued(self) -> None:
         """Wait until the commits queued so far have run (their errors stay
@@ -312,6 +321,9 @@ class KVCacheBuffers:
         discarded. Idempotent.
         """
         if self._asleep_at is None and preserve:
+            # Writers on any stream (an engine's side streams, the zeroing
+            # of commit_async) must be done before the copy reads the blocks.
+            synchronize_buffers(buffer.buffer for buffer, _ in self.buffers)
             self._backup = HostBackup.capture(
                 self._regions(self._committed), staging_bytes=staging_bytes, reuse=self._spare
             )
@@ -367,18 +379,25 @@ class KVCacheBuffers:
         """Host memory held for a preserving sleep (while asleep, or kept)."""
         return sum(b.nbytes for b in (self._backup, self._spare) if b is not None)
 
-    @_serialized
     def free(self) -> None:
-        """Return all memory and, once their views are gone, the address ranges."""
-        if self._queue is not None:
-            self._queue.shutdown(wait=True)
-            self._queue = None
-        for buffer, _ in self.buffers:
-            buffer.free()
-        self.buffers = []
-        self._committed = 0
-        self._asleep_at = None
-        self._drop_backup()
+        """Return all memory and, once their views are gone, the address ranges.
+
+        Commits queued by :meth:`commit_async` run first; later ones are
+        refused. Idempotent.
+        """
+        with self._lock:
+            self._freed = True
+            queue, self._queue = self._queue, None
+        # Not under the lock: the queued commits take it to run.
+        if queue is not None:
+            queue.shutdown(wait=True)
+        with self._lock:
+            for buffer, _ in self.buffers:
+                buffer.free()
+            self.buffers = []
+            self._committed = 0
+            self._asleep_at = None
+            self._drop_backup()
 
 
 #: vLLM's in-tree name.

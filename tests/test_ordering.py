@@ -1,0 +1,117 @@
+"""Work in flight on other streams: every operation that copies, exports or
+unmaps committed memory waits for all of it, not only for the caller's
+stream. Only the LABELLED simulator (tests/gpusim) can hold work back: a
+kernel "launched" there writes its bytes when a synchronize completes it,
+the latest a real one could, and unmapping under it is an illegal address.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from extensible_kv import ExtensibleTensor, StatisticsDriver
+from extensible_kv.driver import Driver
+from extensible_kv.kv import KVCacheBuffers
+from extensible_kv.share import receive_tensor, send_tensor
+from gpusim import SimMachine
+
+SIDE_STREAM = 7
+
+
+def cache_of(driver: Driver, per_block: int, chunk_bytes: int | None = None) -> KVCacheBuffers:
+    buffers = [
+        (
+            ExtensibleTensor(
+                64 * per_block * segments,
+                "cpu",
+                num_segments=segments,
+                driver=driver,
+                chunk_bytes=chunk_bytes,
+            ),
+            per_block,
+        )
+        for segments in (2, 1, 1)
+    ]
+    return KVCacheBuffers(buffers, 64)
+
+
+def first_block(cache: KVCacheBuffers) -> torch.Tensor:
+    buffer, per_block = cache.buffers[0]
+    return buffer.full_view()[:per_block]
+
+
+def write_in_flight(machine: SimMachine, view: torch.Tensor, value: int) -> None:
+    """A kernel on a side stream, still running, that writes ``value`` over ``view``."""
+    machine.launch(view.data_ptr(), view.numel(), value, stream=SIDE_STREAM)
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda cache: cache.trim(9),
+        lambda cache: cache.defragment(preserve=True),
+        lambda cache: (cache.release_physical(preserve=True), cache.recommit()),
+    ],
+    ids=["trim", "defragment-preserve", "sleep-preserve"],
+)
+def test_copies_of_blocks_wait_for_writers_on_every_stream(
+    simulated: tuple[Driver, SimMachine], operation: object
+) -> None:
+    driver, machine = simulated
+    g = driver.granularity(0, False)
+    cache = cache_of(driver, g // 4 + 512, chunk_bytes=g)
+    cache.commit(40)
+    first_block(cache).fill_(1)
+    write_in_flight(machine, first_block(cache), 9)
+    operation(cache)  # type: ignore[operator]
+    assert machine.sticky is None
+    assert first_block(cache).eq(9).all(), "the copy ran before the side stream's write"
+    cache.free()
+    assert machine.empty()
+
+
+def test_a_sent_tensor_is_seen_after_the_work_in_flight(
+    simulated: tuple[Driver, SimMachine],
+) -> None:
+    driver, machine = simulated
+    g = driver.granularity(0, True)
+    et = ExtensibleTensor(4 * g, "cpu", shareable=True, driver=driver)
+    et.resize_(2 * g).fill_(1)
+    write_in_flight(machine, et.tensor[:64], 5)
+    ours, theirs = socket.socketpair()
+    send_tensor(ours, et)
+    received = receive_tensor(theirs, driver=driver)
+    assert received.tensor[:64].eq(5).all(), "exported before the work was done"
+    received.free()
+    et.free()
+    ours.close()
+    theirs.close()
+    assert machine.empty()
+
+
+def test_a_trim_of_many_buffers_synchronizes_once_per_batch(
+    simulated: tuple[Driver, SimMachine],
+) -> None:
+    """Stage every buffer's smaller chunks, synchronize once, swap: not one
+    synchronize and one scratch reservation per chunk mapped again."""
+    driver, _ = simulated
+    g = driver.granularity(0, False)
+    stats = StatisticsDriver(driver)
+    cache = cache_of(stats, g // 4 + 512, chunk_bytes=2 * g)
+    cache.commit(64)
+    remapped = sum(
+        1
+        for b, per_block in cache.buffers
+        for remap in b.buffer.plan_remaps(b._segment_ranges(0, 9 * per_block), merge=False)
+        if remap.runs
+    )
+    assert remapped > len(cache.buffers), "several chunks straddle an end"
+    stats.reset_calls()
+    cache.trim(9)
+    calls = stats.calls
+    assert calls["synchronize"].calls == 2, "before copying, and before swapping"
+    assert calls["reserve"].calls == len(cache.buffers), "one scratch reservation per buffer"
+    cache.free()
