@@ -7,6 +7,7 @@ None of this is GPU verification; tests/test_gpu.py is, on a GPU machine.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -29,7 +30,16 @@ from extensible_kv import (
 from extensible_kv.driver import select
 from extensible_kv.driver.cuda import CudaDriver
 from extensible_kv.driver.hip import HipDriver, request_posix_fd
-from gpusim import HipMemAllocationPropC, MiB, SimCuda, SimHip, SimMachine, cuda_sim, hip_sim
+from gpusim import (
+    HipMemAllocationPropC,
+    HostViews,
+    MiB,
+    SimCuda,
+    SimHip,
+    SimMachine,
+    cuda_sim,
+    hip_sim,
+)
 
 cuda_bindings = pytest.importorskip("cuda.bindings.driver")
 G = 2 * MiB
@@ -160,20 +170,12 @@ def test_hip_makes_the_buffers_device_current_and_restores_the_callers(
     """HIP creates memory on the current device: a buffer on device 1, with
     device 0 current, must set device 1 for its calls."""
     driver, bindings = hip_sim(SimMachine(devices=2))
-    et = ExtensibleTensor(8 * G, "cpu", driver=_host_views(driver))
-    et.free()
     buffer = VirtualBuffer(4 * G, driver, device=1)
     buffer.commit([(0, 4 * G)])
     assert bindings.machine.handles[next(iter(bindings.machine.handles))].device == 1
     assert bindings.hipGetDevice()[1] == 0
     buffer.free()
     assert bindings.machine.empty()
-
-
-def _host_views(driver: Any) -> Any:
-    from gpusim import HostViews
-
-    return HostViews(driver)
 
 
 def test_torch_initializes_cuda_before_the_driver_is_touched(
@@ -294,7 +296,7 @@ def _run(buffer: VirtualBuffer, operation: str) -> None:
 
 def test_out_of_memory_is_a_torch_out_of_memory_error_and_changes_nothing() -> None:
     driver, bindings = cuda_sim(SimMachine(capacity=4 * G))
-    et = ExtensibleTensor(16 * G, "cpu", driver=_host_views(driver))
+    et = ExtensibleTensor(16 * G, "cpu", driver=HostViews(driver))
     et.resize_(3 * G)
     with pytest.raises(OutOfMemoryError) as info:
         et.resize_(8 * G)
@@ -471,8 +473,6 @@ def test_hip_request_refuses_a_layout_it_does_not_know(hip_module: Any) -> None:
             self.location = self
 
         def as_c_void_p(self) -> Any:
-            import ctypes
-
             return ctypes.c_void_p(ctypes.addressof(self.buffer))
 
     with pytest.raises(TypeError, match="cannot be found"):
@@ -516,8 +516,6 @@ def test_hip_shareable_memory_exports_and_imports_by_rocm_version(
     os_handle = next(c for c in bindings.calls if c[0] == "hipMemImportFromShareableHandle")[1][0]
     assert (os_handle == fd) == (version >= 70_100_000)
     os.close(fd)
-    import ctypes
-
     ctypes.memset(importer.base_ptr, 4, 8)
     assert ctypes.string_at(exporter.base_ptr, 8) == b"\x04" * 8
     importer.free()
