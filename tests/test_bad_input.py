@@ -35,7 +35,11 @@ def snapshot(et: ExtensibleTensor, stats: StatisticsDriver) -> Snapshot:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"max_num_bytes": -1}, ValueError, "max_num_bytes must be non-negative"),
+        ({"max_num_bytes": -1}, ValueError, "max_num_bytes must be between 0 and"),
+        # Past 2**64 the size would wrap around size_t and reserve next to nothing.
+        ({"max_num_bytes": 1 << 64}, ValueError, "max_num_bytes must be between 0 and"),
+        ({"max_num_bytes": (1 << 48) + 2}, ValueError, r"\(2\*\*48\)"),
+        ({"max_num_bytes": 10, "device": "cpu\n"}, ValueError, "cannot read device"),
         ({"max_num_bytes": 1.5}, TypeError, "max_num_bytes must be an int"),
         ({"max_num_bytes": 10, "num_segments": 0}, ValueError, "num_segments must be positive"),
         ({"max_num_bytes": 10, "num_segments": 3}, ValueError, "must be divisible by num_segments"),

@@ -6,6 +6,7 @@ import gc
 
 import pytest
 
+from child import run_python
 from extensible_kv import StatisticsDriver, VirtualBuffer
 from extensible_kv.dlpack import as_tensor
 
@@ -156,9 +157,39 @@ def test_bad_ranges_change_nothing(
 
 
 def test_bad_construction_is_refused(stats: StatisticsDriver, granularity: int) -> None:
-    with pytest.raises(ValueError, match="non-negative"):
-        VirtualBuffer(-1, stats)
+    for size in (-1, 1 << 64, -(1 << 64)):
+        with pytest.raises(ValueError, match="size must be between 0 and"):
+            VirtualBuffer(size, stats)
+    assert stats.live.reservations == 0
     with pytest.raises(ValueError, match="positive multiple of the granularity"):
         VirtualBuffer(granularity, stats, chunk_bytes=granularity + 1)
     with pytest.raises(TypeError, match="size must be an int"):
         VirtualBuffer(1.0, stats)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["release_physical", "free", "release_outside"])
+def test_memory_goes_back_when_the_address_space_is_exhausted(how: str) -> None:
+    """Under RLIMIT_AS, unmapping cannot park the pages it keeps for a
+    rollback; a discarding release must still give the memory back."""
+    child = run_python(
+        f"""
+        import resource
+        from extensible_kv import VirtualBuffer
+        from extensible_kv.driver import HostDriver
+        G = 2 << 20
+        buffer = VirtualBuffer(32 * G, HostDriver(), chunk_bytes=4 * G)
+        buffer.commit([(0, 32 * G)])
+        vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+                  if l.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + G, resource.RLIM_INFINITY))
+        if {how!r} == "release_outside":
+            buffer.release_outside([(0, G)])
+            assert buffer.physical_bytes == 4 * G, buffer
+        else:
+            getattr(buffer, {how!r})()
+            assert buffer.physical_bytes == 0, buffer
+        print("given back")
+        """
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "given back"

@@ -264,6 +264,7 @@ def test_failure_at_every_driver_call_leaves_the_simulated_driver_consistent(
     stats.reset_calls()
     _run(probe, operation)
     calls = {name: s.calls for name, s in stats.calls.items() if s.calls}
+    assert calls, f"{operation} makes no driver call: the test would inject nothing"
     probe.free()
     for call, count in calls.items():
         for nth in range(1, count + 1):

@@ -58,6 +58,9 @@ def test_reservations_are_aligned_and_granular(driver: HostDriver) -> None:
     assert info.value.name == "EINVAL"
     with pytest.raises(DriverError, match="power of two"):
         driver.reserve(G, 3 * G)
+    for wrapping in (1 << 64, (1 << 64) + G):
+        with pytest.raises(DriverError, match="multiple of the granularity"):
+            driver.reserve(wrapping, G)
 
 
 def test_custom_granularity_must_be_a_power_of_two_page_multiple() -> None:

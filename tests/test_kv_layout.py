@@ -298,6 +298,28 @@ def _mixed_config() -> KVCacheConfig:
             "1 KV cache groups need 1 backends",
         ),
         (lambda: config(["a"]), [None], "needs a backend"),
+        (
+            lambda: KVCacheConfig(
+                CAPACITY,
+                (KVCacheTensor(CAPACITY * SPEC.page_size_bytes, ("a",), offset=-64),),
+                config(["a"]).kv_cache_groups,
+            ),
+            KVSplitBackend,
+            "KV cache tensor 0: offset must be a non-negative int",
+        ),
+        (
+            lambda: KVCacheConfig(
+                CAPACITY,
+                (
+                    KVCacheTensor(
+                        CAPACITY * SPEC.page_size_bytes, ("a",), offset=SPEC.page_size_bytes
+                    ),
+                ),
+                config(["a"]).kv_cache_groups,
+            ),
+            KVSplitBackend,
+            "layer 'a' does not fit its buffer",
+        ),
     ],
     ids=[
         "uncovered",
@@ -312,6 +334,8 @@ def _mixed_config() -> KVCacheConfig:
         "no-blocks",
         "backend-count",
         "no-backend",
+        "negative-offset",
+        "offset-a-page",
     ],
 )
 def test_bad_descriptions_name_the_problem_and_leak_nothing(

@@ -10,10 +10,15 @@ After every step it checks DESIGN.md section 7:
    straddling chunk again smaller);
 6. after ``free()`` and the last view, the driver holds nothing of ours; after
    a release, no handle;
+7. a failed driver call changes nothing observable: every operation may run
+   with a driver fault armed, and must then either complete or leave the
+   tensor as it was (the model accepts those two outcomes and no other);
 8. the address range outlives every view.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,7 +31,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from extensible_kv import ExtensibleTensor, StatisticsDriver
+from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
 from extensible_kv.driver import Driver, LiveUsage
 
 
@@ -47,6 +52,11 @@ class SegmentModel:
         self.known = self.known[:size]
 
 
+#: Driver calls a fault may hit inside the machine's operations.
+FAULT_CALLS = ("create", "map", "set_access", "unmap", "release", "free_reserved", "context")
+faults = st.none() | st.tuples(st.sampled_from(FAULT_CALLS), st.integers(1, 5))
+
+
 def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
     granularity = driver.granularity(0, False)
 
@@ -54,8 +64,29 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             self.stats = StatisticsDriver(driver)
+            self.faulty = FaultInjectingDriver(self.stats)
             self.et: ExtensibleTensor | None = None
             self.views: list[torch.Tensor] = []
+
+        def attempt(self, fault: tuple[str, int] | None, operation: Callable[[], object]) -> bool:
+            """Run ``operation`` with ``fault`` armed; True if it raised nothing."""
+            if fault is not None:
+                self.faulty.fail_at(*fault)
+            try:
+                operation()
+            except DriverError as exc:
+                if "injected" not in str(exc):
+                    raise
+                return False
+            finally:
+                self.faulty.clear()
+            return True
+
+        def settle(self, old: int, new: int) -> int:
+            """After a failed size change: the size is the old or the new one."""
+            now = self.tensor.bytes_per_segment
+            assert now in (old, new), (now, old, new)
+            return now
 
         @precondition(lambda self: self.et is None or (self.freed and not self.views))
         @rule(
@@ -70,7 +101,7 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
                 cap * num_segments,
                 device,
                 num_segments=num_segments,
-                driver=self.stats,
+                driver=self.faulty,
                 chunk_bytes=granularity if chunked else None,
             )
             self.base = self.et.base_ptr
@@ -89,13 +120,17 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
             return lo + round((hi - lo) * fraction)
 
         @precondition(alive)
-        @rule(fraction=st.floats(0, 1), zero_new=st.booleans())
-        def resize_per_segment(self, fraction: float, zero_new: bool) -> None:
+        @rule(fraction=st.floats(0, 1), zero_new=st.booleans(), fault=faults)
+        def resize_per_segment(
+            self, fraction: float, zero_new: bool, fault: tuple[str, int] | None
+        ) -> None:
             et = self.tensor
-            size = self.fraction_of(et.bytes_per_segment, et.segment_capacity_bytes, fraction)
-            et.resize_per_segment_(size, zero_new=zero_new)
+            old = et.bytes_per_segment
+            size = self.fraction_of(old, et.segment_capacity_bytes, fraction)
+            self.attempt(fault, lambda: et.resize_per_segment_(size, zero_new=zero_new))
+            now = self.settle(old, size)
             for model in self.models:
-                model.grow(size, zero_new)
+                model.grow(now, zero_new)
 
         @precondition(lambda self: self.alive() and self.tensor.num_segments == 1)
         @rule(fraction=st.floats(0, 1))
@@ -114,14 +149,17 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
             self.models[0].grow(et.num_bytes, False)
 
         @precondition(alive)
-        @rule(fraction=st.floats(0, 1))
-        def shrink(self, fraction: float) -> None:
+        @rule(fraction=st.floats(0, 1), fault=faults)
+        def shrink(self, fraction: float, fault: tuple[str, int] | None) -> None:
             et = self.tensor
-            size = self.fraction_of(0, et.bytes_per_segment, fraction)
-            released = et.shrink_per_segment_(size)
-            assert released % granularity == 0
+            old = et.bytes_per_segment
+            size = self.fraction_of(0, old, fraction)
+            physical = et.physical_bytes
+            self.attempt(fault, lambda: et.shrink_per_segment_(size))
+            assert (physical - et.physical_bytes) % granularity == 0
+            now = self.settle(old, size)
             for model in self.models:
-                model.cut(size)
+                model.cut(now)
 
         @precondition(lambda self: self.alive() and self.tensor.bytes_per_segment > 0)
         @rule(data=st.data(), value=st.integers(0, 255))
@@ -136,10 +174,15 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
             self.models[segment].known[start:end] = True
 
         @precondition(alive)
-        @rule(preserve=st.booleans())
-        def defragment(self, preserve: bool) -> None:
+        @rule(preserve=st.booleans(), fault=faults)
+        def defragment(self, preserve: bool, fault: tuple[str, int] | None) -> None:
             et = self.tensor
-            et.defragment_(preserve=preserve)
+            if not self.attempt(fault, lambda: et.defragment_(preserve=preserve)):
+                assert et.bytes_per_segment == len(self.models[0].data)
+                if not preserve:  # zeroed if the defragment ran before the fault
+                    for model in self.models:
+                        model.known[:] = False
+                return
             for i in range(et.num_segments if et.bytes_per_segment else 0):
                 start = i * et.segment_capacity_bytes
                 end = start + et.bytes_per_segment
@@ -151,12 +194,14 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
                     model.known[:] = True
 
         @precondition(alive)
-        @rule()
-        def release(self) -> None:
-            self.tensor.release_physical()
-            assert self.stats.live.handles == 0
+        @rule(fault=faults)
+        def release(self, fault: tuple[str, int] | None) -> None:
+            old = self.tensor.bytes_per_segment
+            if self.attempt(fault, self.tensor.release_physical):
+                assert self.stats.live.handles == 0
+            now = self.settle(old, 0)
             for model in self.models:
-                model.cut(0)
+                model.cut(now)
 
         @precondition(alive)
         @rule(prefix=st.booleans())
@@ -172,9 +217,11 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
             self.views.pop(data.draw(st.integers(0, len(self.views) - 1)))
 
         @precondition(alive)
-        @rule()
-        def free(self) -> None:
-            self.tensor.free()
+        @rule(fault=faults)
+        def free(self, fault: tuple[str, int] | None) -> None:
+            if not self.attempt(fault, self.tensor.free):
+                # A failure past the release leaves it done; a retry finishes.
+                self.tensor.free()
             self.freed = True
             assert self.tensor.base_ptr == 0
 
@@ -237,7 +284,9 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
                 expected = 1 if self.views else 0
                 assert live.reservations == expected, "the range must outlive every view"
             else:
-                assert live.reservations == 1
+                # Plus scratch reservations a failed remap could not return
+                # yet: the buffer's next call returns them.
+                assert live.reservations == 1 + len(self.tensor.buffer._leftovers)
 
         def teardown(self) -> None:
             if self.et is not None:

@@ -10,5 +10,21 @@ def check_int(name: str, value: object) -> int:
     return value
 
 
+#: The largest byte count any reservation, view or chunk may have: 256 TiB,
+#: beyond the address space of every GPU and of x86-64 and arm64 Linux
+#: processes. Checked before a size reaches a driver, where it would wrap
+#: around ``size_t`` and reserve next to nothing.
+MAX_BYTES = 1 << 48
+
+
+def check_bytes(name: str, value: object) -> int:
+    """``value`` if it is an int in ``[0, MAX_BYTES]``, else an error naming ``name``."""
+    check_int(name, value)
+    assert isinstance(value, int)
+    if not 0 <= value <= MAX_BYTES:
+        raise ValueError(f"{name} must be between 0 and {MAX_BYTES} bytes (2**48), got {value}")
+    return value
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from extensible_kv._checks import check_int, round_up
-from extensible_kv.driver import Driver
+from extensible_kv._checks import check_bytes, check_int, round_up
+from extensible_kv.driver import Driver, OutOfMemoryError
 from extensible_kv.intervals import IntervalSet
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,7 @@ class VirtualBuffer:
         shareable: bool = False,
         chunk_bytes: int | None = None,
     ) -> None:
-        check_int("size", size)
-        if size < 0:
-            raise ValueError(f"size must be non-negative, got {size}")
+        check_bytes("size", size)
         granularity = driver.granularity(device, shareable)
         if chunk_bytes is not None and (
             check_int("chunk_bytes", chunk_bytes) <= 0 or chunk_bytes % granularity
@@ -137,6 +135,9 @@ class VirtualBuffer:
         self._chunk_offsets: list[int] = []
         self._mapped = IntervalSet()
         self._unreleased: list[int] = []
+        self._stranded: list[_Span] = []
+        #: Scratch buffers of a remap whose free failed, freed by the next call.
+        self._leftovers: list[VirtualBuffer] = []
         self._views = 0
         self._context_depth = 0
         self._freed = False
@@ -153,6 +154,7 @@ class VirtualBuffer:
             self.size,
             self._chunks,
             self._unreleased,
+            self._stranded,
         )
         self._finalizer.atexit = False
 
@@ -386,7 +388,9 @@ class VirtualBuffer:
         with self._lock:
             self._check_usable()
             for offset, size, _ in chunks:
-                if offset % self.granularity or size % self.granularity or size <= 0:
+                check_int("imported chunk offset", offset)
+                check_int("imported chunk size", size)
+                if offset < 0 or offset % self.granularity or size % self.granularity or size <= 0:
                     raise ValueError(
                         f"imported chunk (offset={offset}, size={size}) is not made of whole "
                         f"{self.granularity}-byte granules"
@@ -455,44 +459,52 @@ class VirtualBuffer:
         return Staging(scratch, tuple(remaps), tuple(places))
 
     def swap_in(self, staging: Staging) -> None:
-        """Replace the old chunks of ``staging.remaps`` by the staged ones,
-        moved to the same addresses; then free the scratch reservation.
+        """Replace the old chunks of ``staging.remaps`` by the staged ones;
+        see :func:`swap_in_together`."""
+        swap_in_together([(self, staging)])
 
-        The memory moves with its contents (nothing is copied here). The
-        caller has synchronized the device since filling the staged chunks
-        (:func:`synchronize_buffers`): unmapping does not wait for kernels.
-        All or nothing until the old handles are released.
-        """
+    def _swap(self, staging: Staging) -> list[tuple[Chunk, Chunk]]:
+        """Unmap the old chunks (keeping their handles) and move the staged
+        ones to their addresses; all or nothing. Returns each moved chunk
+        here and as it was in the scratch buffer, for :meth:`_unswap`."""
         scratch = staging.scratch
-        with hold_locks([self, scratch]), contexts_of([self, scratch]):
-            self._check_usable()
-            old = [chunk for remap in staging.remaps for chunk in remap.old]
-            at = {chunk.offset: chunk for chunk in scratch._chunks}
-            moving = [(at[offset], target) for target, _, offset in staging.places]
-            self._detach(old)
-            moved: list[tuple[Chunk, Chunk]] = []
-            try:
-                for chunk, target in moving:
-                    scratch.driver.unmap(scratch.base_ptr + chunk.offset, chunk.size)
-                    here = Chunk(target, chunk.size, chunk.handle)
-                    try:
-                        self.driver.map(self.base_ptr + here.offset, here.size, here.handle)
-                    except BaseException:
-                        scratch._map_back([chunk])
-                        raise
-                    moved.append((here, chunk))
-                for here, _ in moved:
-                    self.driver.set_access(self.base_ptr + here.offset, here.size, self.device)
-            except BaseException:
-                for here, chunk in moved:
-                    self.driver.unmap(self.base_ptr + here.offset, here.size)
+        old = [chunk for remap in staging.remaps for chunk in remap.old]
+        at = {chunk.offset: chunk for chunk in scratch._chunks}
+        moving = [(at[offset], target) for target, _, offset in staging.places]
+        self._detach(old)
+        moved: list[tuple[Chunk, Chunk]] = []
+        try:
+            for chunk, target in moving:
+                scratch.driver.unmap(scratch.base_ptr + chunk.offset, chunk.size)
+                here = Chunk(target, chunk.size, chunk.handle)
+                try:
+                    self.driver.map(self.base_ptr + here.offset, here.size, here.handle)
+                except BaseException:
                     scratch._map_back([chunk])
-                self._reattach(old)
-                raise
-            scratch._remove(chunk for chunk, _ in moving)
-            self._add(here for here, _ in moved)
-            self._release_unreleased()
-        scratch.free()
+                    raise
+                moved.append((here, chunk))
+            for here, _ in moved:
+                self.driver.set_access(self.base_ptr + here.offset, here.size, self.device)
+        except BaseException:
+            self._move_back(scratch, moved)
+            self._reattach(old)
+            raise
+        scratch._remove(chunk for chunk, _ in moving)
+        self._add(here for here, _ in moved)
+        return moved
+
+    def _unswap(self, staging: Staging, moved: list[tuple[Chunk, Chunk]]) -> None:
+        """Undo :meth:`_swap`: staged chunks back to the scratch buffer, the
+        old ones mapped again with their contents."""
+        self._remove(here for here, _ in moved)
+        staging.scratch._add(chunk for _, chunk in moved)
+        self._move_back(staging.scratch, moved)
+        self._reattach([chunk for remap in staging.remaps for chunk in remap.old])
+
+    def _move_back(self, scratch: VirtualBuffer, moved: list[tuple[Chunk, Chunk]]) -> None:
+        for here, chunk in moved:
+            self.driver.unmap(self.base_ptr + here.offset, here.size)
+            scratch._map_back([chunk])
 
     def free_quietly(self) -> None:
         """:meth:`free`, logging instead of raising: for clean-up paths, where
@@ -533,11 +545,42 @@ class VirtualBuffer:
         handles = {chunk.handle for chunk in chunks}
         self._unreleased[:] = [h for h in self._unreleased if h not in handles]
 
+    def _discard(self, chunks: Sequence[Chunk]) -> None:
+        """Release each chunk's handle, then unmap it (its memory goes then).
+
+        Memory whose handle is released needs no room to be kept while
+        unmapped, so this works when the address space has run out; but it
+        cannot be rolled back: a failure leaves the chunks before it gone,
+        and a range whose unmap failed is unmapped by the next call.
+        """
+        with self._context():
+            for chunk in chunks:
+                self.driver.release(chunk.handle)
+                self._remove([chunk])
+                try:
+                    self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
+                except BaseException:
+                    self._stranded.append((chunk.offset, chunk.size))
+                    raise
+
+    @property
+    def _owes(self) -> bool:
+        """True while an earlier failure left something to return."""
+        return bool(self._unreleased or self._stranded or self._leftovers)
+
     def _release_unreleased(self) -> None:
-        """Release handles already unmapped; a failure keeps the rest for a retry."""
-        if not self._unreleased:
+        """Return what an earlier failure left: unmap stranded ranges, release
+        handles already unmapped; a failure keeps the rest for a retry."""
+        while self._leftovers:
+            self._leftovers[-1].free()
+            self._leftovers.pop()
+        if not (self._unreleased or self._stranded):
             return
         with self._context():
+            while self._stranded:
+                offset, size = self._stranded[-1]
+                self.driver.unmap(self.base_ptr + offset, size)
+                self._stranded.pop()
             while self._unreleased:
                 self.driver.release(self._unreleased[-1])
                 self._unreleased.pop()
@@ -566,7 +609,7 @@ class VirtualBuffer:
     def add_view_ref(self) -> None:
         """Record a view over the buffer: the range outlives it."""
         with self._lock:
-            if not self._reserved:
+            if self._freed:
                 raise ValueError("the buffer has been freed; no view can be made")
             self._views += 1
 
@@ -666,6 +709,60 @@ def release_outside_together(
         return _release_chunks(doomed, synchronized=synchronized)
 
 
+def swap_in_together(
+    requests: Sequence[tuple[VirtualBuffer, Staging]],
+    *,
+    doomed: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]] = (),
+) -> None:
+    """Replace old chunks by staged ones in several buffers, and unmap the
+    ``doomed`` chunks, all or nothing across them; then release the old
+    and doomed handles and free the scratch reservations.
+
+    The memory moves with its contents (nothing is copied here). The caller
+    has synchronized the devices since filling the staged chunks
+    (:func:`synchronize_buffers`): unmapping does not wait for kernels. If
+    a swap or an unmap fails, every buffer is as it was and the stagings
+    are discarded. Past that point the operation is done: a handle or a
+    scratch reservation that cannot be returned is kept for a later call,
+    and the first such error propagates.
+    """
+    buffers = [b for b, _ in requests] + [b for b, chunks in doomed if chunks or b._owes]
+    scratches = [staging.scratch for _, staging in requests]
+    with hold_locks([*buffers, *scratches]), contexts_of([*buffers, *scratches]):
+        for buffer in buffers:
+            buffer._check_usable()
+        swapped: list[tuple[VirtualBuffer, Staging, list[tuple[Chunk, Chunk]]]] = []
+        detached: list[tuple[VirtualBuffer, Sequence[Chunk]]] = []
+        try:
+            for buffer, staging in requests:
+                swapped.append((buffer, staging, buffer._swap(staging)))
+            for buffer, chunks in doomed:
+                buffer._detach(chunks)
+                detached.append((buffer, chunks))
+        except BaseException:
+            for buffer, chunks in reversed(detached):
+                buffer._reattach(chunks)
+            for buffer, staging, moved in reversed(swapped):
+                buffer._unswap(staging, moved)
+            for _, staging in requests:
+                staging.discard()
+            raise
+        errors: list[Exception] = []
+        for buffer in buffers:
+            try:
+                buffer._release_unreleased()
+            except Exception as exc:
+                errors.append(exc)
+        for buffer, staging in requests:
+            try:
+                staging.scratch.free()
+            except Exception as exc:
+                errors.append(exc)
+                buffer._leftovers.append(staging.scratch)
+    if errors:
+        raise errors[0]
+
+
 def synchronize_buffers(buffers: Iterable[VirtualBuffer]) -> None:
     """Wait until no work queued on the devices of ``buffers`` can still
     touch them, waiting for each device once.
@@ -688,17 +785,23 @@ def _release_chunks(
 ) -> int:
     if not synchronized:
         synchronize_buffers(buffer for buffer, chunks in requests if chunks)
-    touched = [buffer for buffer, chunks in requests if chunks or buffer._unreleased]
+    touched = [buffer for buffer, chunks in requests if chunks or buffer._owes]
     with contexts_of(touched):
         detached: list[tuple[VirtualBuffer, Sequence[Chunk]]] = []
         try:
             for buffer, chunks in requests:
                 buffer._detach(chunks)
                 detached.append((buffer, chunks))
-        except BaseException:
+        except BaseException as exc:
             for buffer, chunks in reversed(detached):
                 buffer._reattach(chunks)
-            raise
+            if not isinstance(exc, OutOfMemoryError):
+                raise
+            # Unmapping keeps the memory for a rollback, and on the host that
+            # needs address space as big as the chunk: when it has run out
+            # (RLIMIT_AS), give up the rollback rather than the memory.
+            for buffer, chunks in requests:
+                buffer._discard(chunks)
         for buffer in touched:
             buffer._release_unreleased()
     return sum(chunk.size for _, chunks in requests for chunk in chunks)
@@ -712,7 +815,9 @@ def defragment_together(
     Memory is released before the new chunks are made, so the peak is not
     twice the cache. If making them fails, each buffer gets its previous
     chunk layout back (zeroed: its contents were to be discarded anyway) and
-    the error propagates. Memory that connectors register must be
+    the error propagates; a handle that cannot be released is kept for a
+    later call, the defragment done, and the error propagates. Memory that
+    connectors register must be
     defragmented: UCX cannot transfer a region spanning several handles.
     """
     requests = [(buffer, list(ranges)) for buffer, ranges in requests]
@@ -721,7 +826,15 @@ def defragment_together(
         for buffer, ranges in requests:
             buffer._plan(ranges, True)
         layouts = [_runs_of(buffer._chunks) for buffer in buffers]
-        release_together(buffers)
+        late: BaseException | None = None
+        try:
+            release_together(buffers)
+        except BaseException as exc:
+            if any(buffer._chunks for buffer in buffers):
+                raise  # the unmapping failed: nothing changed
+            # A handle could not be released (it is kept for a retry): the
+            # memory is unmapped, so the defragment goes on.
+            late = exc
         try:
             commit_together(requests, whole_runs=True)
         except BaseException:
@@ -731,6 +844,8 @@ def defragment_together(
                 except Exception:
                     logger.exception("restoring %r after a failed defragment failed", buffer)
             raise
+        if late is not None:
+            raise late
 
 
 def _runs_of_chunks(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
@@ -756,11 +871,14 @@ def _teardown(
     size: int,
     chunks: list[Chunk],
     unreleased: list[int],
+    stranded: list[_Span],
 ) -> None:
     """Return everything of a buffer garbage-collected without ``free()``."""
     try:
         driver.synchronize(device)
         with driver.context(device):
+            for offset, length in stranded:
+                driver.unmap(base_ptr + offset, length)
             for chunk in chunks:
                 driver.unmap(base_ptr + chunk.offset, chunk.size)
                 driver.release(chunk.handle)

@@ -28,6 +28,7 @@ from ctypes_dlpack import (
 )
 from torch.utils.dlpack import from_dlpack
 
+from extensible_kv._checks import check_bytes, check_int
 from extensible_kv.buffer import VirtualBuffer
 
 DLPACK_CPU = 1
@@ -36,6 +37,7 @@ DLPACK_ROCM = 10
 
 _DeleterType = dict(DLManagedTensorVersioned._fields_)["deleter"]
 _ShapeType = ctypes.c_int64 * 1
+_MAX_ADDRESS = (1 << 64) - 1
 
 # Managed structs alive in a consumer, by address: the struct, its shape and
 # strides arrays and the buffer it holds a view reference on (None for
@@ -48,7 +50,12 @@ def _delete(managed: Any, _finalizing: Any = sys.is_finalizing) -> None:
     # during interpreter shutdown, when module state may already be gone.
     if _finalizing():
         return
-    entry = _LIVE.pop(ctypes.cast(managed, ctypes.c_void_p).value or 0, None)
+    _forget(ctypes.cast(managed, ctypes.c_void_p).value or 0)
+
+
+def _forget(key: int) -> None:
+    """Drop a managed struct and its view reference; a second call does nothing."""
+    entry = _LIVE.pop(key, None)
     if entry is not None and entry[3] is not None:
         entry[3].drop_view_ref()
 
@@ -61,7 +68,8 @@ ctypes.pythonapi.Py_IncRef(ctypes.py_object(_DELETER))
 
 def _managed_tensor(
     ptr: int, nbytes: int, device: tuple[int, int], owner: VirtualBuffer | None
-) -> DLPackArray:
+) -> tuple[DLPackArray, int]:
+    """A DLPack array over the bytes, and its key in the registry of live views."""
     managed = DLManagedTensorVersioned()
     shape = _ShapeType(nbytes)
     # DLPack 1.2 and later forbid NULL strides: one element apart.
@@ -83,8 +91,9 @@ def _managed_tensor(
     tensor.byte_offset = 0
     if owner is not None:
         owner.add_view_ref()
-    _LIVE[ctypes.addressof(managed)] = (managed, shape, strides, owner)
-    return DLPackArray(ctypes.pointer(managed))
+    key = ctypes.addressof(managed)
+    _LIVE[key] = (managed, shape, strides, owner)
+    return DLPackArray(ctypes.pointer(managed)), key
 
 
 class ByteView:
@@ -95,6 +104,8 @@ class ByteView:
     """
 
     def __init__(self, buffer: VirtualBuffer, offset: int, nbytes: int) -> None:
+        check_int("offset", offset)
+        check_int("nbytes", nbytes)
         if offset < 0 or nbytes < 0 or offset + nbytes > buffer.size:
             raise ValueError(
                 f"view [{offset}, {offset + nbytes}) lies outside the {buffer.size}-byte buffer"
@@ -124,7 +135,7 @@ class ByteView:
         device = self.__dlpack_device__()
         if dl_device is not None and tuple(dl_device) != device:
             raise BufferError(f"the buffer lives on DLPack device {device}, not {dl_device}")
-        array = _managed_tensor(
+        array, _ = _managed_tensor(
             self.buffer.base_ptr + self.offset, self.nbytes, device, self.buffer
         )
         return array.__dlpack__(max_version=max_version)
@@ -132,7 +143,26 @@ class ByteView:
 
 def as_tensor(buffer: VirtualBuffer, offset: int, nbytes: int) -> torch.Tensor:
     """A uint8 torch view of ``nbytes`` bytes of ``buffer`` from ``offset``."""
-    return from_dlpack(ByteView(buffer, offset, nbytes))
+    view = ByteView(buffer, offset, nbytes)
+    return _to_torch(buffer.base_ptr + offset, nbytes, view.__dlpack_device__(), buffer)
+
+
+def _to_torch(
+    ptr: int, nbytes: int, device: tuple[int, int], owner: VirtualBuffer | None
+) -> torch.Tensor:
+    """The torch tensor over a new managed struct; if torch refuses it, the
+    struct (and its view reference) goes at once instead of leaking."""
+    if device[0] != DLPACK_CPU and not torch.cuda.is_available():
+        raise ValueError(
+            f"this torch ({torch.__version__}) has no usable GPU, so it cannot view memory "
+            f"on DLPack device {device}"
+        )
+    array, key = _managed_tensor(ptr, nbytes, device, owner)
+    try:
+        return from_dlpack(array)
+    except BaseException:
+        _forget(key)
+        raise
 
 
 def uint8_tensor_from_ptr(
@@ -144,11 +174,15 @@ def uint8_tensor_from_ptr(
     Prefer views made by :class:`ByteView`, which do. ``device_type`` is
     ``"cuda"`` (reported as ROCm on ROCm builds of torch) or ``"cpu"``.
     """
+    check_int("ptr", ptr)
+    check_bytes("num_bytes", num_bytes)
+    check_int("device_index", device_index)
+    if not 0 <= ptr <= _MAX_ADDRESS - num_bytes:
+        raise ValueError(f"[{ptr:#x}, +{num_bytes}) is not a range of 64-bit addresses")
     if device_type == "cpu":
         device = (DLPACK_CPU, 0)
     elif device_type == "cuda":
         device = (DLPACK_ROCM if torch.version.hip else DLPACK_CUDA, device_index)
     else:
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
-    capsule = _managed_tensor(ptr, num_bytes, device, None).__dlpack__()
-    return from_dlpack(capsule)
+    return _to_torch(ptr, num_bytes, device, None)

@@ -24,6 +24,12 @@ from extensible_kv.driver import Driver
 from extensible_kv.tensor import ExtensibleTensor, SharedLayout
 
 _BATCH = 250
+#: The longest layout accepted: 16 MiB of JSON, some 500,000 chunks.
+_MAX_LAYOUT_BYTES = 16 << 20
+
+
+class MalformedMessageError(ValueError):
+    """What arrived on the socket is not a message :func:`send_tensor` wrote."""
 
 
 def send_tensor(sock: socket.socket, tensor: ExtensibleTensor) -> None:
@@ -58,7 +64,14 @@ def receive_tensor(
 ) -> ExtensibleTensor:
     """Receive a tensor sent by :func:`send_tensor` and map its memory here."""
     (length,) = struct.unpack(">Q", _receive_exactly(sock, 8))
-    layout = SharedLayout.from_json(_receive_exactly(sock, length).decode())
+    if length > _MAX_LAYOUT_BYTES:
+        raise MalformedMessageError(
+            f"the layout announced is {length} bytes, more than the {_MAX_LAYOUT_BYTES} accepted"
+        )
+    try:
+        layout = SharedLayout.from_json(_receive_exactly(sock, length).decode())
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        raise MalformedMessageError(f"the layout received is malformed: {exc}") from None
     fds: list[int] = []
     try:
         while len(fds) < len(layout.chunks):

@@ -7,6 +7,7 @@ host (CPU) memory, and pluggable drivers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv._checks import check_int
+from extensible_kv._checks import check_bytes, check_int
 from extensible_kv.buffer import (
     Remap,
     Staging,
@@ -24,6 +25,7 @@ from extensible_kv.buffer import (
     hold_locks,
     release_outside_together,
     release_together,
+    swap_in_together,
     synchronize_buffers,
 )
 from extensible_kv.dlpack import ByteView, as_tensor
@@ -52,9 +54,31 @@ class SharedLayout:
 
     @classmethod
     def from_json(cls, text: str) -> SharedLayout:
-        data = json.loads(text)
-        data["chunks"] = tuple(tuple(chunk) for chunk in data["chunks"])
+        """Read :meth:`to_json`'s text; anything else (it may come from another
+        process) is a ValueError or TypeError saying what is wrong."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"a shared layout must be JSON: {exc}") from None
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) != set(fields):
+            raise ValueError(f"a shared layout is an object with the fields {sorted(fields)}")
+        for name in ("max_num_bytes", "num_segments", "bytes_per_segment", "device_index"):
+            check_int(name, data[name])
+        for name in ("device", "device_uuid"):
+            if not isinstance(data[name], str):
+                raise ValueError(f"{name} must be a string, got {data[name]!r}")
+        chunks = data["chunks"]
+        if not isinstance(chunks, list) or not all(
+            isinstance(c, list) and len(c) == 2 and all(_is_int(v) for v in c) for c in chunks
+        ):
+            raise ValueError("chunks must be a list of [offset, size] pairs of ints")
+        data["chunks"] = tuple((offset, size) for offset, size in chunks)
         return cls(**data)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _default_device() -> torch.device:
@@ -133,10 +157,8 @@ class ExtensibleTensor:
         driver: Driver | None = None,
         chunk_bytes: int | None = None,
     ) -> None:
-        check_int("max_num_bytes", max_num_bytes)
+        check_bytes("max_num_bytes", max_num_bytes)
         check_int("num_segments", num_segments)
-        if max_num_bytes < 0:
-            raise ValueError(f"max_num_bytes must be non-negative, got {max_num_bytes}")
         if num_segments < 1:
             raise ValueError(f"num_segments must be positive, got {num_segments}")
         if max_num_bytes % num_segments:
@@ -359,11 +381,29 @@ class ExtensibleTensor:
             tensor._buffer.map_imported(
                 [(offset, size, fd) for (offset, size), fd in zip(layout.chunks, fds, strict=True)]
             )
+            tensor._adopt_committed(layout.bytes_per_segment)
         except BaseException:
             tensor.free()
             raise
-        tensor._bytes_per_segment = layout.bytes_per_segment
         return tensor
+
+    def _adopt_committed(self, bytes_per_segment: object) -> None:
+        """Take an imported layout's committed size, after checking that the
+        imported chunks back every byte of it (a peer's word is not enough)."""
+        size = check_int("bytes_per_segment", bytes_per_segment)
+        if not 0 <= size <= self._segment_capacity_bytes:
+            raise ValueError(
+                f"the shared layout's bytes_per_segment {size} is not between 0 "
+                f"and the segment capacity {self._segment_capacity_bytes}"
+            )
+        for offset, length in self._segment_ranges(0, size):
+            backed = sum(n for _, n in self._buffer.mapped_in(offset, length))
+            if backed != length:
+                raise ValueError(
+                    f"the shared layout says {size} bytes per segment are committed, "
+                    f"but its chunks back {backed} of the {length} at offset {offset}"
+                )
+        self._bytes_per_segment = size
 
     def shared_layout(self) -> tuple[SharedLayout, list[int]]:
         """What another process needs to map this tensor's committed memory:
@@ -487,35 +527,67 @@ def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int
     """Cut several tensors, each to its ``bytes_per_segment``, and give back
     the physical memory past the new ends. Returns the bytes given back.
 
-    First one synchronize of their devices: work queued on any stream, not
-    only the caller's, is done before anything is copied or unmapped. Then
-    every chunk holding no kept byte is released (unmapping all or nothing
-    across the tensors), and the chunks straddling a new end are mapped
-    again smaller with their live bytes (:func:`_remap_all`). If that last
-    step fails (out of memory), the prefixes are cut, contents intact, the
-    straddling chunks stay whole (counted in ``physical_bytes``) and the
-    error propagates.
+    All or nothing up to a point of no return, then done:
+
+    1. one synchronize of their devices, so that work queued on any stream,
+       not only the caller's, is done before anything is copied or unmapped;
+    2. the chunks straddling a new end are staged smaller and their live
+       bytes copied (this needs memory for the kept part of each such
+       chunk: with ``chunk_bytes`` set, at most a chunk per segment);
+    3. the staged chunks are swapped in and the chunks past the ends
+       unmapped, all or nothing across the tensors;
+    4. the point of no return: the prefixes are cut and the old handles
+       released. A failure from here on (releasing a handle, returning a
+       scratch reservation) leaves the shrink done, keeps what could not
+       be returned for the next call to return, and propagates.
+
+    A failure before it (out of memory while staging, a failing map or
+    unmap) leaves every tensor as it was.
     """
     with hold_locks(tensor._buffer for tensor, _ in items):
         for tensor, bytes_per_segment in items:
             tensor._check_shrink(bytes_per_segment)
-        before = [tensor.physical_bytes for tensor, _ in items]
-        keeps = [(tensor, tensor._segment_ranges(0, n)) for tensor, n in items]
-        synchronize_buffers(tensor._buffer for tensor, _ in items)
+        before = sum(tensor.physical_bytes for tensor, _ in items)
+        buffers = [tensor._buffer for tensor, _ in items]
+        synchronize_buffers(buffers)
+        doomed, plans = [], []
+        for tensor, n in items:
+            remaps = tensor._buffer.plan_remaps(tensor._segment_ranges(0, n), merge=False)
+            doomed.append((tensor._buffer, [c for r in remaps if not r.runs for c in r.old]))
+            plans.append((tensor, [r for r in remaps if r.runs]))
+        stagings = _stage_all(plans)
         try:
-            released = release_outside_together(
-                [(tensor._buffer, keep) for tensor, keep in keeps], synchronized=True
+            swap_in_together(
+                [(tensor._buffer, staging) for tensor, staging in stagings], doomed=doomed
             )
         finally:
-            # Unmapping is all or nothing; if it happened, the prefixes are
-            # cut even when releasing a handle failed (the next call retries).
-            for (tensor, n), physical in zip(items, before, strict=True):
-                if tensor.physical_bytes < physical:
+            # Past the point of no return the shrink is done, error or not.
+            if sum(tensor.physical_bytes for tensor, _ in items) < before:
+                for tensor, n in items:
                     tensor._bytes_per_segment = n
         for tensor, n in items:
             tensor._bytes_per_segment = n
-        _remap_all(keeps, merge=False, headroom=released)
-        return sum(before) - sum(tensor.physical_bytes for tensor, _ in items)
+        return before - sum(tensor.physical_bytes for tensor, _ in items)
+
+
+def _stage_all(
+    plans: Sequence[tuple[ExtensibleTensor, list[Remap]]],
+) -> list[tuple[ExtensibleTensor, Staging]]:
+    """Stage every plan's new chunks and copy the live bytes into them, then
+    synchronize once (the copies are done). All or nothing: if staging
+    fails (out of memory), nothing is left staged."""
+    staged: list[tuple[ExtensibleTensor, Staging]] = []
+    try:
+        for tensor, remaps in plans:
+            if remaps:
+                staged.append((tensor, tensor._buffer.stage(remaps)))
+                tensor._fill(staged[-1][1])
+        synchronize_buffers(tensor._buffer for tensor, _ in staged)
+    except BaseException:
+        for _, staging in staged:
+            staging.discard()
+        raise
+    return staged
 
 
 def _remap_all(
@@ -530,25 +602,14 @@ def _remap_all(
     swapped in under the same addresses. A batch stages at most ``headroom``
     bytes (what was just released) or one tensor's worth, so memory never
     peaks above what the tensors held before plus one tensor's new chunks.
-    Running out of memory while staging leaves that batch as it was; a
-    failure while swapping leaves the tensors swapped so far swapped;
-    contents are intact either way.
+    Each batch is all or nothing (:func:`swap_in_together`): a failure
+    leaves it, and the batches after it, as they were; contents are intact
+    either way.
     """
     plans = [(tensor, tensor._buffer.plan_remaps(keep, merge=merge)) for tensor, keep in items]
     for batch in _batches([(t, remaps) for t, remaps in plans if remaps], headroom):
-        staged: list[tuple[ExtensibleTensor, Staging]] = []
-        try:
-            for tensor, remaps in batch:
-                staged.append((tensor, tensor._buffer.stage(remaps)))
-                tensor._fill(staged[-1][1])
-            synchronize_buffers(tensor._buffer for tensor, _ in staged)
-            while staged:
-                tensor, staging = staged[0]
-                tensor._buffer.swap_in(staging)
-                staged.pop(0)
-        finally:
-            for _, staging in staged:
-                staging.discard()
+        stagings = _stage_all(batch)
+        swap_in_together([(tensor._buffer, staging) for tensor, staging in stagings])
 
 
 def _batches(

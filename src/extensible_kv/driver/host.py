@@ -128,7 +128,8 @@ class HostDriver:
 
     def _check_aligned(self, call: str, *values: int) -> None:
         for value in values:
-            if value <= 0 or value % self._granularity:
+            # Past 2**63 a size would wrap around size_t in the libc call.
+            if value <= 0 or value >= 1 << 63 or value % self._granularity:
                 raise _invalid(
                     call,
                     f"{value:#x} is not a positive multiple of the granularity "

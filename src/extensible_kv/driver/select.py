@@ -17,7 +17,7 @@ from extensible_kv.driver.protocol import Driver
 _DEVICE_TYPES = ("cpu", "cuda")
 #: CUDA_ERROR_NO_DEVICE and hipErrorNoDevice.
 _NO_DEVICE = 100
-_DEVICE_RE = re.compile(r"^(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
+_DEVICE_RE = re.compile(r"(?P<type>[a-z]+)(?::(?P<index>[0-9]+))?")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def parse_device(device: object) -> DeviceSpec:
             raise ValueError(f"device ordinal must be non-negative, got {device}")
         return DeviceSpec("cuda", device)
     if isinstance(device, str):
-        match = _DEVICE_RE.match(device)
+        match = _DEVICE_RE.fullmatch(device)
         if match is None:
             raise ValueError(f"cannot read device {device!r}; use 'cpu' or 'cuda:N'")
         kind, index = match["type"], match["index"]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from extensible_kv._checks import check_int
 from extensible_kv.dlpack import as_tensor
 from extensible_kv.driver import Driver
 from extensible_kv.kv.buffers import KVCacheBuffers
@@ -37,7 +38,7 @@ class LayerPlacement:
     mamba: bool
 
 
-@dataclass
+@dataclass(repr=False)
 class KVCache:
     """An allocated KV cache.
 
@@ -58,6 +59,15 @@ class KVCache:
         :func:`narrow_to_num_blocks`."""
         n = self.buffers.num_blocks_committed if num_blocks is None else num_blocks
         return narrow_to_num_blocks(self.views, n, self.placements)
+
+    def __repr__(self) -> str:
+        # Shapes only: printing a view would read its uncommitted blocks,
+        # which are unmapped addresses (a fault, not an exception).
+        shapes = {
+            name: [tuple(t.shape) for t in view] if isinstance(view, list) else tuple(view.shape)
+            for name, view in self.views.items()
+        }
+        return f"KVCache({self.buffers!r}, views={shapes})"
 
     def free(self) -> None:
         self.views.clear()
@@ -168,7 +178,7 @@ def allocate_kv_cache(
     sharing a tensor must agree on its number of segments. A cache with a
     Mamba group is hybrid: its attention layers are stored block-major.
     """
-    capacity = int(config.num_blocks)
+    capacity = check_int("num_blocks", config.num_blocks)
     if capacity < 1:
         raise ValueError(f"num_blocks must be positive, got {capacity}")
     layers = _layers(config, backends)
@@ -176,6 +186,7 @@ def allocate_kv_cache(
     packed: dict[int, list[tuple[int, Any]]] = defaultdict(list)
     plain: list[tuple[int, Any]] = []
     for index, tensor in enumerate(config.kv_cache_tensors):
+        _check_offsets(index, tensor)
         if tensor.block_stride:
             packed[int(tensor.block_stride)].append((index, tensor))
         else:
@@ -187,18 +198,25 @@ def allocate_kv_cache(
             builder.plain_buffer(index, tensor)
         for row_bytes, members in packed.items():
             builder.packed_buffer(row_bytes, members)
+        views = builder.views()
         cache = KVCacheBuffers(builder.buffers, capacity)
         cache.commit(1)
     except BaseException:
         for buffer, _ in builder.buffers:
             buffer.free()
         raise
-    views: dict[str, LayerView] = {}
-    for name, placement in builder.placements.items():
-        full = placement.buffer.full_view()
-        tensors = [layout.view(full) for layout in placement.layouts]
-        views[name] = tensors if placement.mamba else tensors[0]
     return KVCache(cache, views, builder.placements)
+
+
+def _check_offsets(index: int, tensor: Any) -> None:
+    """A KV cache tensor's ``offset`` and ``block_stride`` are whole, non-negative bytes."""
+    for field in ("offset", "block_stride"):
+        value = getattr(tensor, field, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"KV cache tensor {index}: {field} must be a non-negative int (bytes), "
+                f"got {value!r}"
+            )
 
 
 class _Builder:
@@ -253,6 +271,25 @@ class _Builder:
 
     def _add(self, buffer: ExtensibleTensor, row: int) -> None:
         self.buffers.append((buffer, row))
+
+    def views(self) -> dict[str, LayerView]:
+        """Every layer's view(s) over its buffer, spanning the capacity.
+
+        Made before any memory is committed; a layout that does not fit its
+        buffer (an offset past the row, say) is a ValueError naming the layer.
+        """
+        views: dict[str, LayerView] = {}
+        for name, placement in self.placements.items():
+            full = placement.buffer.full_view()
+            try:
+                tensors = [layout.view(full) for layout in placement.layouts]
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"layer {name!r} does not fit its buffer of {full.numel()} bytes "
+                    f"(check its KV cache tensor's offset and size): {exc}"
+                ) from None
+            views[name] = tensors if placement.mamba else tensors[0]
+        return views
 
     def plain_buffer(self, index: int, tensor: Any) -> None:
         """One buffer for one KV cache tensor and the layers sharing it."""

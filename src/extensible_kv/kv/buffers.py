@@ -93,6 +93,7 @@ class KVCacheBuffers:
         self._queue: ThreadPoolExecutor | None = None
         self._queued: Future[CommitTicket] | None = None
         self._commit_stream: torch.cuda.Stream | None = None
+        self._closing = False
         self._freed = False
         for buffer, bytes_per_block in buffers:
             self._check_buffer(buffer, bytes_per_block)
@@ -106,6 +107,8 @@ class KVCacheBuffers:
         )
 
     def _check_buffer(self, buffer: ExtensibleTensor, bytes_per_block: int) -> None:
+        if any(buffer is mine for mine, _ in self.buffers):
+            raise ValueError(f"{buffer!r} is already in this KV cache; each buffer joins once")
         check_int("bytes_per_block_per_segment", bytes_per_block)
         if bytes_per_block < 1:
             raise ValueError(f"bytes_per_block_per_segment must be positive, got {bytes_per_block}")
@@ -118,6 +121,10 @@ class KVCacheBuffers:
             )
 
     # -- state ------------------------------------------------------------------
+
+    def _check_alive(self, what: str) -> None:
+        if self._freed:
+            raise ValueError(f"the KV cache has been freed; {what} is no longer possible")
 
     @property
     def num_blocks_committed(self) -> int:
@@ -141,6 +148,7 @@ class KVCacheBuffers:
         return sum(buffer.physical_bytes for buffer, _ in self.buffers)
 
     def _check_awake(self, what: str) -> None:
+        self._check_alive(what)
         if self.released:
             raise ValueError(f"the KV cache is released (asleep); call recommit() before {what}")
 
@@ -274,7 +282,7 @@ class KVCacheBuffers:
         """
         check_int("num_blocks", num_blocks)
         with self._lock:
-            if self._freed:
+            if self._closing:
                 raise ValueError("the KV cache has been freed; commit_async is no longer possible")
             if self._queue is None:
                 self._queue = ThreadPoolExecutor(1, thread_name_prefix="extensible-kv-commit")
@@ -320,6 +328,7 @@ class KVCacheBuffers:
         them, so a prefix cache survives the sleep; otherwise contents are
         discarded. Idempotent.
         """
+        self._check_alive("release_physical()")
         if self._asleep_at is None and preserve:
             # Writers on any stream (an engine's side streams, the zeroing
             # of commit_async) must be done before the copy reads the blocks.
@@ -355,6 +364,7 @@ class KVCacheBuffers:
         ``keep_host_memory``, which keeps it for the next preserving sleep.
         Does nothing when awake.
         """
+        self._check_alive("recommit()")
         if self._asleep_at is None:
             return
         backup = self._backup
@@ -386,12 +396,13 @@ class KVCacheBuffers:
         refused. Idempotent.
         """
         with self._lock:
-            self._freed = True
+            self._closing = True
             queue, self._queue = self._queue, None
         # Not under the lock: the queued commits take it to run.
         if queue is not None:
             queue.shutdown(wait=True)
         with self._lock:
+            self._freed = True
             for buffer, _ in self.buffers:
                 buffer.free()
             self.buffers = []
