@@ -1,4 +1,4 @@
-"""The runner flow of DESIGN.md section 6 on a tiny paged-attention decoder.
+"""The runner flow of docs/design.md section 6 on a tiny paged-attention decoder.
 
     python examples/paged_decoder.py                 # best device
     python examples/paged_decoder.py --device cpu --capacity-blocks 1024

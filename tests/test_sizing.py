@@ -108,3 +108,29 @@ def test_snapshots_read_the_device(real_device: str) -> None:
     device = real_device
     snap = MemorySnapshot.take(device)
     assert 0 < snap.free_bytes <= snap.total_bytes
+
+
+def test_the_description_gives_the_blocks_bytes_and_the_cap() -> None:
+    snap = MemorySnapshot(free_bytes=GiB, total_bytes=GiB)
+    capped = size_kv_cache(
+        snap,
+        snap,
+        kv_bytes_before=0,
+        kv_bytes_after=0,
+        bytes_per_block=MiB // 2,
+        num_blocks_capacity=256,
+    )
+    assert capped.capped
+    text = capped.describe()
+    assert "256 blocks of 524288 bytes (128.0 MiB)" in text
+    assert "capped by the capacity of 256 blocks" in text
+    free = size_kv_cache(
+        snap,
+        snap,
+        kv_bytes_before=0,
+        kv_bytes_after=0,
+        bytes_per_block=MiB,
+        num_blocks_capacity=100_000,
+    )
+    assert not free.capped
+    assert "capped" not in free.describe()

@@ -1,6 +1,6 @@
 """A Hypothesis state machine drives ExtensibleTensor against a byte-level model.
 
-After every step it checks DESIGN.md section 7:
+After every step it checks docs/design.md section 7:
 
 1. ``base_ptr`` is constant from construction to ``free()``;
 2. each segment's committed bytes are a prefix, and all of it is backed;

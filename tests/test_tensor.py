@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 import extensible_kv
@@ -246,4 +247,24 @@ def test_defragment_maps_each_segment_prefix_as_one_chunk(
     assert et.bytes_per_segment == 3 * granularity
     assert et.base_ptr == base
     assert int(et.full_view()[: 3 * granularity].count_nonzero()) == 0
+    et.free()
+
+
+def test_segment_views_and_the_checked_view(
+    stats: StatisticsDriver, device: str, granularity: int
+) -> None:
+    cap = 2 * granularity
+    et = make(stats, device, 2 * cap, num_segments=2)
+    et.resize_per_segment_(100, zero_new=True)
+    k, v = et.segment(0), et.segment(1)
+    assert k.shape == v.shape == (100,)
+    assert v.data_ptr() == et.base_ptr + cap
+    v.fill_(7)
+    assert et.checked_view(cap, 100).eq(7).all()
+    assert et.checked_view(0, 100).eq(0).all()
+    for offset, nbytes in ((0, 101), (cap - 1, 2), (100, 1), (-1, 1), (cap + 99, 2)):
+        with pytest.raises(ValueError, match="are not all committed"):
+            et.checked_view(offset, nbytes)
+    with pytest.raises(ValueError, match="segment 2 does not exist"):
+        et.segment(2)
     et.free()

@@ -1,5 +1,5 @@
-"""``extensible-kv probe | demo | bench``: what this machine can do, the
-runner flow, and the benchmarks."""
+"""The extensible-kv command: what this machine can do (probe), the runner
+flow on a tiny model (demo), and the benchmarks (bench)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,33 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from extensible_kv.demo import FlowReport, FlowSettings, ModelConfig, run_flow, run_ranks
-from extensible_kv.driver import get_driver, unavailable_reason
+from extensible_kv.driver import (
+    BackendUnavailableError,
+    DriverError,
+    get_driver,
+    parse_device,
+    unavailable_reason,
+)
 from extensible_kv.driver.select import is_rocm
 
 MiB = 1 << 20
-console = Console()
+# Wide enough that no table cuts a name when the output is not a terminal
+# (rich assumes 80 columns then).
+console = Console(width=None if sys.stdout.isatty() else 140)
+
+DESCRIPTION = """\
+Growable, sleepable KV caches on GPU virtual memory (and Linux host memory).
+
+  probe   which backends work on this machine, and why the others do not
+  demo    the runner flow on a tiny paged-attention model: reserve, warm up,
+          size, generate, sleep, wake, generate again, checked token by token
+  bench   the benchmarks, each a ratio to a baseline timed in the same run
+"""
 
 
 def _probe_rows() -> list[dict[str, str]]:
@@ -40,6 +58,16 @@ def _probe_rows() -> list[dict[str, str]]:
             "rdma": "-",
         }
     rows.append(host | {"notes": reason or "THP + populate; also the tests' backend"})
+    if not is_rocm():
+        rows.append(
+            {
+                "device": "rocm",
+                "backend": "HIP (hip-python)",
+                "usable": "no",
+                "notes": f"this torch ({torch.__version__}) is not a ROCm build; AMD GPUs "
+                "need torch for ROCm and pip install 'extensible-kv[rocm]'",
+            }
+        )
     backend = "HIP (hip-python)" if is_rocm() else "CUDA (cuda-bindings)"
     reason = unavailable_reason("cuda:0")
     if reason is not None:
@@ -80,7 +108,7 @@ def probe(args: argparse.Namespace) -> int:
     console.print(table)
     for row in rows:
         if row.get("notes"):
-            console.print(f"[bold]{row['device']}[/]: {row['notes']}")
+            console.print(f"[bold]{row['device']}[/]: {escape(row['notes'])}")
     return 0
 
 
@@ -99,9 +127,13 @@ class _Bars:
 
 
 def _timeline_table(report: FlowReport) -> Table:
-    table = Table(title=f"memory timeline on {report.device}")
+    table = Table(
+        title=f"memory timeline on {report.device}",
+        caption="committed: blocks x bytes per block; physical: whole 2 MiB granules, so a "
+        "few blocks still take a granule in every segment (K and V of every layer)",
+    )
     for column in ("phase", "reserved", "committed", "physical", "device in use", "took"):
-        table.add_column(column, justify="right" if column != "phase" else "left")
+        table.add_column(column, justify="right" if column != "phase" else "left", no_wrap=True)
     base = report.timeline[0].device_used_bytes - report.timeline[0].physical_bytes
     for p in report.timeline:
         table.add_row(
@@ -116,6 +148,8 @@ def _timeline_table(report: FlowReport) -> Table:
 
 
 def _plot(report: FlowReport, path: Path) -> bool:
+    """The timeline as steps (memory changes at the phase boundaries), on a
+    log scale so the reservation and the commit show side by side."""
     try:
         import matplotlib
 
@@ -123,22 +157,39 @@ def _plot(report: FlowReport, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = [p.name for p in report.timeline]
-    x = range(len(names))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    base = report.timeline[0].device_used_bytes - report.timeline[0].physical_bytes
+    phases = report.timeline
+    x = list(range(len(phases)))
+    base = phases[0].device_used_bytes - phases[0].physical_bytes
+    fig, ax = plt.subplots(figsize=(10, 5))
     for label, values, style in (
-        ("reserved", [p.reserved_bytes for p in report.timeline], "-"),
-        ("physical", [p.physical_bytes for p in report.timeline], "-"),
-        ("committed", [p.committed_bytes for p in report.timeline], "--"),
-        ("device in use (from start)", [p.device_used_bytes - base for p in report.timeline], ":"),
+        ("reserved (address space)", [p.reserved_bytes for p in phases], "-"),
+        ("committed (blocks)", [p.committed_bytes for p in phases], "--"),
+        ("physical (granules)", [p.physical_bytes for p in phases], "-"),
+        ("device in use, from start", [p.device_used_bytes - base for p in phases], ":"),
     ):
-        ax.plot(x, [v / MiB for v in values], style, marker="o", label=label, linewidth=2)
-    ax.set_xticks(list(x), names, rotation=30, ha="right")
-    ax.set_ylabel("MiB")
-    ax.set_title(f"extensible-kv demo on {report.device}: KV memory through the runner flow")
-    ax.legend()
-    ax.grid(alpha=0.3)
+        # Each value holds from the end of its phase to the end of the next.
+        mib = [max(v / MiB, 0.01) for v in values]
+        ax.step([*x, len(x)], [*mib, mib[-1]], style, where="post", label=label, linewidth=2)
+    ax.set_yscale("log")
+    top = max(p.reserved_bytes for p in phases) / MiB
+    for i, phase in enumerate(phases):
+        ax.annotate(
+            f"{phase.seconds * 1e3:.0f} ms",
+            (i, top),
+            textcoords="offset points",
+            xytext=(0, 8),
+            ha="center",
+            fontsize=8,
+            color="0.35",
+        )
+    ax.set_xticks(x, [p.name for p in phases], rotation=30, ha="right")
+    ax.set_ylabel("MiB (log scale; 0 drawn at 0.01)")
+    ax.set_title(
+        f"extensible-kv demo on {report.device}: reserve big, commit what is used",
+        pad=22,
+    )
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -146,10 +197,10 @@ def _plot(report: FlowReport, path: Path) -> bool:
 
 
 def demo(args: argparse.Namespace) -> int:
-    device = torch.device(args.device) if args.device else _best_device()
+    device = args.device or _best_device()
     settings = _settings(args)
     if args.world_size > 1:
-        return _demo_ranks(args.world_size, settings, device)
+        return _demo_ranks(args.world_size, settings, device, args.out)
     console.print(
         f"[bold]extensible-kv demo[/] on [bold]{device}[/]: a {args.layers}-layer paged decoder"
     )
@@ -198,13 +249,13 @@ def _settings(args: argparse.Namespace) -> FlowSettings:
         batch=args.batch,
         new_tokens=args.new_tokens,
         capacity_blocks=args.capacity_blocks,
-        kv_budget_bytes=None if args.kv_budget_mib is None else args.kv_budget_mib * MiB,
+        kv_budget_bytes=None if args.memory_utilization else args.kv_budget_mib * MiB,
         memory_utilization=args.memory_utilization,
         cuda_graph=False if args.no_graph else None,
     )
 
 
-def _demo_ranks(world_size: int, settings: FlowSettings, device: torch.device) -> int:
+def _demo_ranks(world_size: int, settings: FlowSettings, device: torch.device, out: Path) -> int:
     """The flow on tensor-parallel ranks: each sizes, all commit the minimum."""
     enough_gpus = device.type == "cuda" and torch.cuda.device_count() >= world_size
     device_type = "cuda" if enough_gpus else "cpu"
@@ -226,6 +277,20 @@ def _demo_ranks(world_size: int, settings: FlowSettings, device: torch.device) -
         )
     console.print(table)
     smallest = min(report.sizing.num_blocks for report in reports)
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = [
+        {
+            "rank": rank,
+            "device": report.device,
+            "ok": report.ok,
+            "proposed_blocks": report.sizing.num_blocks,
+            "committed_blocks": report.num_blocks,
+            "timeline": [asdict(p) for p in report.timeline],
+        }
+        for rank, report in enumerate(reports)
+    ]
+    (out / "ranks.json").write_text(json.dumps(ranks, indent=2))
+    console.print(f"ranks saved: {out / 'ranks.json'}")
     if all(report.num_blocks == smallest and report.ok for report in reports):
         console.print(
             "[green]ok[/]: every rank committed the smallest proposal and its tokens match"
@@ -239,7 +304,7 @@ def bench(args: argparse.Namespace) -> int:
     from extensible_kv.bench import BenchPlan, run, save
     from extensible_kv.bench.report import tables
 
-    device = torch.device(args.device) if args.device else _best_device()
+    device = args.device or _best_device()
     plan = BenchPlan.for_device(device, args.quick)
     if args.repeats:
         plan = BenchPlan(**(vars(plan) | {"repeats": args.repeats}))
@@ -272,44 +337,128 @@ def _best_device() -> torch.device:
     return torch.device("cpu")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="extensible-kv", description=__doc__)
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written, and every option's default in its help."""
+
+
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share of the device in (0, 1], got {value}")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    """A device this machine can run the command on, or the reason it cannot."""
+    try:
+        spec = parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if spec.type == "cuda":
+        reason = unavailable_reason(spec)
+        if reason is not None:
+            raise argparse.ArgumentTypeError(f"{text} cannot be used here: {reason}")
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text} cannot be used here: this torch ({torch.__version__}) has no GPU support"
+            )
+    if spec.type == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda") if spec.index is None else torch.device("cuda", spec.index)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="extensible-kv", description=DESCRIPTION, formatter_class=_Formatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("probe", help="which backends work here, and why not")
+    p = commands.add_parser(
+        "probe", help="which backends work here, and why not", formatter_class=_Formatter
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=probe)
-    d = commands.add_parser("demo", help="the runner flow on a tiny paged-attention model")
-    d.add_argument(
-        "--device", default=None, help="cpu, cuda or cuda:N (default: GPU if usable, else cpu)"
+    d = commands.add_parser(
+        "demo", help="the runner flow on a tiny paged-attention model", formatter_class=_Formatter
     )
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--batch", type=int, default=4)
-    d.add_argument("--new-tokens", type=int, default=40)
+    device_help = "cpu, cuda or cuda:N (default: the GPU if one is usable, else cpu)"
+    d.add_argument("--device", type=_device, default=None, help=device_help)
+    d.add_argument("--layers", type=_positive, default=4, help="decoder layers")
+    d.add_argument("--batch", type=_positive, default=4, help="sequences generated at once")
+    d.add_argument("--new-tokens", type=_positive, default=40, help="tokens generated per sequence")
     d.add_argument(
-        "--capacity-blocks", type=int, default=8192, help="upper bound reserved (blocks)"
+        "--capacity-blocks",
+        type=_positive,
+        default=65536,
+        help="blocks of address space reserved: the cache's upper bound (2 GiB at the "
+        "default model size; address space only)",
     )
-    d.add_argument("--kv-budget-mib", type=int, default=None, help="size the cache to this budget")
     d.add_argument(
-        "--memory-utilization", type=float, default=None, help="size to this share of the device"
+        "--kv-budget-mib",
+        type=_positive,
+        default=64,
+        help="size the cache to this many MiB after warm-up",
+    )
+    d.add_argument(
+        "--memory-utilization",
+        type=_share,
+        default=None,
+        help="size the cache from measured memory instead, so the device is at most this "
+        "share full (vLLM's gpu_memory_utilization)",
     )
     d.add_argument("--no-graph", action="store_true", help="no CUDA graph on a GPU")
     d.add_argument(
-        "--world-size", type=int, default=1, help="run as this many tensor-parallel ranks (gloo)"
+        "--world-size",
+        type=_positive,
+        default=1,
+        help="run as this many tensor-parallel ranks (gloo) that agree on one block count",
     )
     d.add_argument(
-        "--out", type=Path, default=Path("extensible-kv-demo"), help="folder for the timeline"
+        "--out", type=Path, default=Path("extensible-kv-demo"), help="folder for the results"
     )
     d.set_defaults(run=demo)
-    b = commands.add_parser("bench", help="benchmarks against the baselines, as ratios")
-    b.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: GPU if usable)")
-    b.add_argument("--repeats", type=int, default=None, help="repeats per measurement")
+    b = commands.add_parser(
+        "bench", help="benchmarks against the baselines, as ratios", formatter_class=_Formatter
+    )
+    b.add_argument("--device", type=_device, default=None, help=device_help)
+    b.add_argument(
+        "--repeats",
+        type=_positive,
+        default=None,
+        help="repeats per measurement (default: 3, 5 on a GPU, 2 with --quick)",
+    )
     b.add_argument("--quick", action="store_true", help="small sizes (seconds, for a smoke test)")
     b.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG"
     )
     b.set_defaults(run=bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except (BackendUnavailableError, DriverError, ValueError) as exc:
+        # The library's errors name the rule broken: one line, no traceback.
+        parser.exit(1, f"extensible-kv {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -215,9 +215,45 @@ class ExtensibleTensor:
         return self._full_view()[: self._bytes_per_segment]
 
     def full_view(self) -> torch.Tensor:
-        """A uint8 view of all ``max_num_bytes``; touch only committed bytes."""
+        """A uint8 view of all ``max_num_bytes``; touch only committed bytes.
+
+        Reading or writing a byte that is not committed is not an exception:
+        the address is reserved but has no memory, so the host process dies
+        of SIGSEGV and a GPU kernel hits an illegal address (which kills the
+        CUDA context). :meth:`checked_view` checks first, for debugging.
+        """
         self._check_alive("a view")
         return self._full_view()[:]
+
+    def segment(self, index: int) -> torch.Tensor:
+        """A uint8 view of segment ``index``'s committed prefix (K is segment
+        0 and V segment 1 of a K/V-split cache); it grows with the buffer
+        only when taken again, like :attr:`tensor`."""
+        self._check_alive("a view")
+        check_int("index", index)
+        if not 0 <= index < self._num_segments:
+            raise ValueError(f"segment {index} does not exist; there are {self._num_segments}")
+        start = index * self._segment_capacity_bytes
+        return self._full_view()[start : start + self._bytes_per_segment]
+
+    def checked_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 view of bytes ``[offset, offset + nbytes)`` of the full view,
+        after checking that every one is committed (a ValueError naming the
+        committed ranges otherwise, where an unchecked read would crash)."""
+        self._check_alive("a view")
+        check_int("offset", offset)
+        check_int("nbytes", nbytes)
+        cap, committed = self._segment_capacity_bytes, self._bytes_per_segment
+        segment = offset // cap if offset >= 0 else -1
+        if nbytes < 0 or segment < 0 or offset + nbytes > segment * cap + committed:
+            ranges = ", ".join(
+                f"[{i * cap}, {i * cap + committed})" for i in range(self._num_segments)
+            )
+            raise ValueError(
+                f"bytes [{offset}, {offset + nbytes}) are not all committed; the committed "
+                f"bytes are {ranges if committed else 'none'}"
+            )
+        return self._full_view()[offset : offset + nbytes]
 
     # -- growth ---------------------------------------------------------------
 

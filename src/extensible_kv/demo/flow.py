@@ -1,4 +1,4 @@
-"""The runner flow of DESIGN.md section 6, end to end, on a tiny model.
+"""The runner flow of docs/design.md section 6, end to end, on a tiny model.
 
 1. Reserve the KV cache at an upper bound and commit one block.
 2. Warm up through ``ensure_blocks`` (and, on a GPU, capture the decode

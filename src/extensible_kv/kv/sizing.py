@@ -44,13 +44,25 @@ class KVSizing:
     available_bytes: int
     bytes_per_block: int
     num_blocks: int
+    #: The reservation's upper bound, in blocks.
+    num_blocks_capacity: int
+
+    @property
+    def capped(self) -> bool:
+        """True when the capacity, not the memory, decided the count."""
+        return self.available_bytes // self.bytes_per_block > self.num_blocks_capacity
 
     def describe(self) -> str:
-        return (
+        kv = self.num_blocks * self.bytes_per_block
+        text = (
             f"warm-up used {self.warmup_bytes / MiB:.1f} MiB besides "
             f"{self.kv_bytes_at_warmup / MiB:.1f} MiB of KV; {self.available_bytes / MiB:.1f} MiB "
-            f"for the KV cache -> {self.num_blocks} blocks of {self.bytes_per_block} bytes"
+            f"available for the KV cache -> {self.num_blocks} blocks of {self.bytes_per_block} "
+            f"bytes ({kv / MiB:.1f} MiB)"
         )
+        if self.capped:
+            text += f", capped by the capacity of {self.num_blocks_capacity} blocks"
+        return text
 
 
 def size_kv_cache(
@@ -92,4 +104,6 @@ def size_kv_cache(
     else:
         available = after.free_bytes + kv_bytes_after - margin_bytes
     blocks = max(1, min(num_blocks_capacity, available // bytes_per_block))
-    return KVSizing(warmup, kv_bytes_after, max(0, available), bytes_per_block, blocks)
+    return KVSizing(
+        warmup, kv_bytes_after, max(0, available), bytes_per_block, blocks, num_blocks_capacity
+    )
