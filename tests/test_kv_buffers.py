@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
 from extensible_kv.driver import Driver, LiveUsage
 from extensible_kv.kv import ExtensibleKVCacheBuffers, KVCacheBuffers
+from faults import Fault, attempt, fault_strategy
 
 MiB = 1 << 20
 CAPACITY = 64
@@ -260,7 +261,7 @@ def test_a_failure_at_any_call_of_any_buffer_leaves_every_buffer_as_it_was(
 
 #: Driver calls a fault may hit inside the state machine's operations.
 FAULT_CALLS = ("create", "map", "set_access", "unmap", "release", "synchronize", "context")
-faults = st.none() | st.tuples(st.sampled_from(FAULT_CALLS), st.integers(1, 5))
+faults = fault_strategy(FAULT_CALLS)
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -286,20 +287,6 @@ class KVMachine(RuleBasedStateMachine):
         self.model: dict[tuple[int, int, int], int] = {}
         self.kept: dict[tuple[int, int, int], int] | None = None
 
-    def attempt(self, fault: tuple[str, int] | None, operation: Callable[[], object]) -> bool:
-        """Run ``operation`` with ``fault`` armed; True if it raised nothing."""
-        if fault is not None:
-            self.faulty.fail_at(*fault)
-        try:
-            operation()
-        except DriverError as exc:
-            if "injected" not in str(exc):
-                raise
-            return False
-        finally:
-            self.faulty.clear()
-        return True
-
     def _zero_blocks(self, start: int, end: int) -> None:
         for b, (buffer, _) in enumerate(self.cache.buffers):
             for s in range(buffer.num_segments):
@@ -317,8 +304,8 @@ class KVMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.asleep_at is None)
     @rule(n=st.integers(0, CAPACITY), defragment=st.booleans(), fault=faults)
-    def commit(self, n: int, defragment: bool, fault: tuple[str, int] | None) -> None:
-        done = self.attempt(fault, lambda: self.cache.commit(n, defragment=defragment))
+    def commit(self, n: int, defragment: bool, fault: Fault) -> None:
+        done = attempt(self.faulty, fault, lambda: self.cache.commit(n, defragment=defragment))
         self._grew_to(n)
         if defragment and done:
             self._zero_blocks(0, self.committed)
@@ -327,8 +314,8 @@ class KVMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.asleep_at is None)
     @rule(n=st.integers(0, 3 * CAPACITY), fault=faults)
-    def ensure(self, n: int, fault: tuple[str, int] | None) -> None:
-        self.attempt(fault, lambda: self.cache.ensure_blocks(n))
+    def ensure(self, n: int, fault: Fault) -> None:
+        attempt(self.faulty, fault, lambda: self.cache.ensure_blocks(n))
         self._grew_to(min(n, CAPACITY))
 
     @precondition(lambda self: self.asleep_at is None and self.committed > 0)
@@ -342,8 +329,8 @@ class KVMachine(RuleBasedStateMachine):
         self.model[(b, s, i)] = value
 
     @rule(preserve=st.booleans(), fault=faults)
-    def release(self, preserve: bool, fault: tuple[str, int] | None) -> None:
-        self.attempt(fault, lambda: self.cache.release_physical(preserve=preserve))
+    def release(self, preserve: bool, fault: Fault) -> None:
+        attempt(self.faulty, fault, lambda: self.cache.release_physical(preserve=preserve))
         if self.asleep_at is None and self.cache.released:
             self.asleep_at = self.committed
             self.committed = 0
@@ -351,8 +338,8 @@ class KVMachine(RuleBasedStateMachine):
             self.model = {}
 
     @rule(keep_host_memory=st.booleans(), fault=faults)
-    def recommit(self, keep_host_memory: bool, fault: tuple[str, int] | None) -> None:
-        self.attempt(fault, lambda: self.cache.recommit(keep_host_memory=keep_host_memory))
+    def recommit(self, keep_host_memory: bool, fault: Fault) -> None:
+        attempt(self.faulty, fault, lambda: self.cache.recommit(keep_host_memory=keep_host_memory))
         if self.asleep_at is not None and not self.cache.released:
             self.committed, self.asleep_at = self.asleep_at, None
             if self.kept is None:
@@ -362,9 +349,9 @@ class KVMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.asleep_at is None)
     @rule(data=st.data(), fault=faults)
-    def trim(self, data: st.DataObject, fault: tuple[str, int] | None) -> None:
+    def trim(self, data: st.DataObject, fault: Fault) -> None:
         n = data.draw(st.integers(0, self.committed))
-        self.attempt(fault, lambda: self.cache.trim(n))
+        attempt(self.faulty, fault, lambda: self.cache.trim(n))
         now = self.cache.num_blocks_committed
         assert now in (self.committed, n), (now, self.committed, n)
         self.committed = now
@@ -372,13 +359,13 @@ class KVMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.asleep_at is None)
     @rule(fault=faults)
-    def defragment_preserving(self, fault: tuple[str, int] | None) -> None:
-        self.attempt(fault, lambda: self.cache.defragment(preserve=True))
+    def defragment_preserving(self, fault: Fault) -> None:
+        attempt(self.faulty, fault, lambda: self.cache.defragment(preserve=True))
 
     @precondition(lambda self: self.asleep_at is None)
     @rule(n=st.integers(0, CAPACITY), fault=faults)
-    def commit_in_background(self, n: int, fault: tuple[str, int] | None) -> None:
-        self.attempt(fault, lambda: self.cache.commit_async(n).result().wait())
+    def commit_in_background(self, n: int, fault: Fault) -> None:
+        attempt(self.faulty, fault, lambda: self.cache.commit_async(n).result().wait())
         self._grew_to(n)
 
     @invariant()

@@ -18,8 +18,6 @@ After every step it checks docs/design.md section 7:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 from hypothesis import strategies as st
@@ -31,8 +29,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
+from extensible_kv import ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
 from extensible_kv.driver import Driver, LiveUsage
+from faults import Fault, attempt, fault_strategy
 
 
 class SegmentModel:
@@ -54,7 +53,7 @@ class SegmentModel:
 
 #: Driver calls a fault may hit inside the machine's operations.
 FAULT_CALLS = ("create", "map", "set_access", "unmap", "release", "free_reserved", "context")
-faults = st.none() | st.tuples(st.sampled_from(FAULT_CALLS), st.integers(1, 5))
+faults = fault_strategy(FAULT_CALLS)
 
 
 def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
@@ -67,20 +66,6 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
             self.faulty = FaultInjectingDriver(self.stats)
             self.et: ExtensibleTensor | None = None
             self.views: list[torch.Tensor] = []
-
-        def attempt(self, fault: tuple[str, int] | None, operation: Callable[[], object]) -> bool:
-            """Run ``operation`` with ``fault`` armed; True if it raised nothing."""
-            if fault is not None:
-                self.faulty.fail_at(*fault)
-            try:
-                operation()
-            except DriverError as exc:
-                if "injected" not in str(exc):
-                    raise
-                return False
-            finally:
-                self.faulty.clear()
-            return True
 
         def settle(self, old: int, new: int) -> int:
             """After a failed size change: the size is the old or the new one."""
@@ -121,13 +106,11 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
 
         @precondition(alive)
         @rule(fraction=st.floats(0, 1), zero_new=st.booleans(), fault=faults)
-        def resize_per_segment(
-            self, fraction: float, zero_new: bool, fault: tuple[str, int] | None
-        ) -> None:
+        def resize_per_segment(self, fraction: float, zero_new: bool, fault: Fault) -> None:
             et = self.tensor
             old = et.bytes_per_segment
             size = self.fraction_of(old, et.segment_capacity_bytes, fraction)
-            self.attempt(fault, lambda: et.resize_per_segment_(size, zero_new=zero_new))
+            attempt(self.faulty, fault, lambda: et.resize_per_segment_(size, zero_new=zero_new))
             now = self.settle(old, size)
             for model in self.models:
                 model.grow(now, zero_new)
@@ -150,12 +133,12 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
 
         @precondition(alive)
         @rule(fraction=st.floats(0, 1), fault=faults)
-        def shrink(self, fraction: float, fault: tuple[str, int] | None) -> None:
+        def shrink(self, fraction: float, fault: Fault) -> None:
             et = self.tensor
             old = et.bytes_per_segment
             size = self.fraction_of(0, old, fraction)
             physical = et.physical_bytes
-            self.attempt(fault, lambda: et.shrink_per_segment_(size))
+            attempt(self.faulty, fault, lambda: et.shrink_per_segment_(size))
             assert (physical - et.physical_bytes) % granularity == 0
             now = self.settle(old, size)
             for model in self.models:
@@ -175,9 +158,9 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
 
         @precondition(alive)
         @rule(preserve=st.booleans(), fault=faults)
-        def defragment(self, preserve: bool, fault: tuple[str, int] | None) -> None:
+        def defragment(self, preserve: bool, fault: Fault) -> None:
             et = self.tensor
-            if not self.attempt(fault, lambda: et.defragment_(preserve=preserve)):
+            if not attempt(self.faulty, fault, lambda: et.defragment_(preserve=preserve)):
                 assert et.bytes_per_segment == len(self.models[0].data)
                 if not preserve:  # zeroed if the defragment ran before the fault
                     for model in self.models:
@@ -195,9 +178,9 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
 
         @precondition(alive)
         @rule(fault=faults)
-        def release(self, fault: tuple[str, int] | None) -> None:
+        def release(self, fault: Fault) -> None:
             old = self.tensor.bytes_per_segment
-            if self.attempt(fault, self.tensor.release_physical):
+            if attempt(self.faulty, fault, self.tensor.release_physical):
                 assert self.stats.live.handles == 0
             now = self.settle(old, 0)
             for model in self.models:
@@ -218,8 +201,8 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
 
         @precondition(alive)
         @rule(fault=faults)
-        def free(self, fault: tuple[str, int] | None) -> None:
-            if not self.attempt(fault, self.tensor.free):
+        def free(self, fault: Fault) -> None:
+            if not attempt(self.faulty, fault, self.tensor.free):
                 # A failure past the release leaves it done; a retry finishes.
                 self.tensor.free()
             self.freed = True

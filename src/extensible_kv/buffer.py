@@ -63,11 +63,6 @@ class Staging:
     remaps: tuple[Remap, ...]
     places: tuple[tuple[int, int, int], ...]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of new memory staged."""
-        return sum(size for _, size, _ in self.places)
-
     def discard(self) -> None:
         """Give the staged memory back without swapping it in."""
         self.scratch.free_quietly()
@@ -89,7 +84,7 @@ class VirtualBuffer:
     and released by the next call that changes the buffer.
 
     Chunks can be mapped again with their contents (:meth:`plan_remaps`,
-    :meth:`stage`, :meth:`swap_in`), exported to other processes and
+    :meth:`stage`, :func:`swap_in_together`), exported to other processes and
     imported from them (:meth:`export_chunks`, :meth:`map_imported`).
 
     Args:
@@ -439,7 +434,7 @@ class VirtualBuffer:
     def stage(self, remaps: Sequence[Remap]) -> Staging:
         """Make the new chunks of ``remaps`` in one scratch reservation,
         mapped and accessible, for the caller to copy the live bytes into
-        (at :attr:`Staging.places`) before :meth:`swap_in`.
+        (at :attr:`Staging.places`) before :func:`swap_in_together`.
 
         One reservation serves every remap; its chunks sit a granule apart so
         that each stays a chunk of its own. All or nothing: on error nothing
@@ -457,11 +452,6 @@ class VirtualBuffer:
             scratch.free_quietly()
             raise
         return Staging(scratch, tuple(remaps), tuple(places))
-
-    def swap_in(self, staging: Staging) -> None:
-        """Replace the old chunks of ``staging.remaps`` by the staged ones;
-        see :func:`swap_in_together`."""
-        swap_in_together([(self, staging)])
 
     def _swap(self, staging: Staging) -> list[tuple[Chunk, Chunk]]:
         """Unmap the old chunks (keeping their handles) and move the staged

@@ -596,14 +596,18 @@ def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int
             swap_in_together(
                 [(tensor._buffer, staging) for tensor, staging in stagings], doomed=doomed
             )
-        finally:
+        except BaseException:
             # Past the point of no return the shrink is done, error or not.
             if sum(tensor.physical_bytes for tensor, _ in items) < before:
-                for tensor, n in items:
-                    tensor._bytes_per_segment = n
-        for tensor, n in items:
-            tensor._bytes_per_segment = n
+                _cut(items)
+            raise
+        _cut(items)
         return before - sum(tensor.physical_bytes for tensor, _ in items)
+
+
+def _cut(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
+    for tensor, bytes_per_segment in items:
+        tensor._bytes_per_segment = bytes_per_segment
 
 
 def _stage_all(

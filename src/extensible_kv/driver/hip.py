@@ -144,7 +144,8 @@ class HipDriver(GpuDriver):
             try:
                 request_posix_fd(prop, self._posix_fd_type())
             except TypeError as exc:
-                self._plain_only.add(device)
+                with self._lock:
+                    self._plain_only.add(device)
                 warnings.warn(
                     f"{exc}; HIP device {device} gets plain memory, which cannot be exported",
                     RuntimeWarning,
