@@ -16,6 +16,7 @@ from extensible_kv.kv.buffers import KVCacheBuffers
 from extensible_kv.kv.layout import (
     BlockLayout,
     attention_geometry,
+    blocks_per_kv_block,
     layer_segments,
     mamba_layouts,
     place,
@@ -29,13 +30,15 @@ LayerView = torch.Tensor | list[torch.Tensor]
 
 @dataclass(frozen=True)
 class LayerPlacement:
-    """Where a layer lives: its buffer, its layouts there, and whether its
-    buffer is packed (several layers' pages in one block row)."""
+    """Where a layer lives: its buffer, its layouts there, whether its
+    buffer is packed (several layers' pages in one block row), and how many
+    kernel blocks make one of its blocks (the views count kernel blocks)."""
 
     buffer: ExtensibleTensor
     layouts: tuple[BlockLayout, ...]
     packed: bool
     mamba: bool
+    blocks_per_kv_block: int = 1
 
 
 @dataclass(repr=False)
@@ -77,7 +80,8 @@ class KVCache:
 def narrow_to_num_blocks(
     views: Mapping[str, LayerView], num_blocks: int, placements: Mapping[str, LayerPlacement]
 ) -> dict[str, LayerView]:
-    """Each layer's views trimmed to its first ``num_blocks`` blocks.
+    """Each layer's views trimmed to its first ``num_blocks`` blocks (which
+    are ``num_blocks * blocks_per_kv_block`` kernel blocks of its views).
 
     Views keep their base pointers and strides. Packed views are rebuilt on
     storage that ends at the last committed row, so a connector that
@@ -95,8 +99,9 @@ def narrow_to_num_blocks(
             trimmed = [layout.with_blocks(num_blocks).view(storage) for layout in placement.layouts]
         else:
             tensors = view if isinstance(view, list) else [view]
+            kernel_blocks = num_blocks * placement.blocks_per_kv_block
             trimmed = [
-                t.narrow(layout.block_dim, 0, num_blocks)
+                t.narrow(layout.block_dim, 0, kernel_blocks)
                 for t, layout in zip(tensors, placement.layouts, strict=True)
             ]
         narrowed[name] = trimmed if placement.mamba else trimmed[0]
@@ -108,27 +113,55 @@ class _Layer:
     name: str
     spec: Any
     backend: Any
+    cache_dtype: str = "auto"
+    kernel_block_size: int | None = None
+
+    @property
+    def blocks_per_kv_block(self) -> int:
+        if is_mamba(self.spec):
+            return 1
+        return blocks_per_kv_block(self.spec, self.kernel_block_size)
 
 
-def _layers(config: Any, backends: Any) -> dict[str, _Layer]:
+def _per_group(name: str, value: Any, count: int) -> list[Any]:
+    """One ``value`` for every group, or a sequence of one per group."""
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{count} KV cache groups need {count} {name}, got {len(value)}")
+    return list(value)
+
+
+def _layers(
+    config: Any,
+    backends: Any,
+    cache_dtype: str | Mapping[str, str],
+    kernel_block_sizes: Sequence[int] | None,
+) -> dict[str, _Layer]:
     groups = list(config.kv_cache_groups)
-    if not isinstance(backends, Sequence):
-        backends = [backends] * len(groups)
-    if len(backends) != len(groups):
-        raise ValueError(
-            f"{len(groups)} KV cache groups need {len(groups)} backends, got {len(backends)}"
-        )
+    backends = _per_group("backends", backends, len(groups))
+    kernels = _per_group("kernel block sizes", kernel_block_sizes, len(groups))
     layers: dict[str, _Layer] = {}
     seen: dict[str, int] = {}
-    for index, (group, backend) in enumerate(zip(groups, backends, strict=True)):
+    for index, (group, backend, kernel) in enumerate(zip(groups, backends, kernels, strict=True)):
         spec = group.kv_cache_spec
         if backend is None and not is_mamba(spec):
             raise ValueError(f"KV cache group {index} is attention and needs a backend")
+        if not is_mamba(spec):
+            try:
+                blocks_per_kv_block(spec, kernel)
+            except ValueError as exc:
+                raise ValueError(f"KV cache group {index}: {exc}") from None
         for name in group.layer_names:
             if name in seen:
                 raise ValueError(f"layer {name!r} is in KV cache groups {seen[name]} and {index}")
             seen[name] = index
-            layers[name] = _Layer(name, spec, backend)
+            dtype = cache_dtype if isinstance(cache_dtype, str) else cache_dtype.get(name, "auto")
+            layers[name] = _Layer(name, spec, backend, dtype, kernel)
+    if not isinstance(cache_dtype, str):
+        unknown = sorted(set(cache_dtype) - set(layers))
+        if unknown:
+            raise ValueError(f"cache_dtype names layers no group has: {', '.join(unknown)}")
     return layers
 
 
@@ -156,7 +189,8 @@ def allocate_kv_cache(
     backends: Any,
     device: torch.device | str | int | None = None,
     *,
-    cache_dtype: str = "auto",
+    cache_dtype: str | Mapping[str, str] = "auto",
+    kernel_block_sizes: Sequence[int] | None = None,
     shareable: bool = False,
     driver: Driver | None = None,
     chunk_bytes: int | None = None,
@@ -169,7 +203,14 @@ def allocate_kv_cache(
         backends: the attention backend of each group, in group order (None
             for Mamba groups), or one backend for every group.
         device: as for :class:`ExtensibleTensor`; None: the current GPU, else the host.
-        cache_dtype: passed to the backends' ``get_kv_cache_shape``.
+        cache_dtype: passed to the backends as ``cache_dtype_str``: one for
+            every layer, or a mapping from layer name to its own (layers it
+            does not name: ``"auto"``).
+        kernel_block_sizes: per group, the block size (tokens) the attention
+            kernel uses, when it divides the spec's block size (vLLM's V2
+            runner): each block is then ``block_size // kernel_block_size``
+            kernel blocks and the views count kernel blocks. None: the
+            spec's block size. Ignored for Mamba groups.
         shareable: allocate memory other processes can map (see :mod:`extensible_kv.share`).
         driver: the driver to use, e.g. wrapped in an adaptor.
         chunk_bytes: largest physical chunk one commit maps (see the chunk policy).
@@ -181,7 +222,7 @@ def allocate_kv_cache(
     capacity = check_int("num_blocks", config.num_blocks)
     if capacity < 1:
         raise ValueError(f"num_blocks must be positive, got {capacity}")
-    layers = _layers(config, backends)
+    layers = _layers(config, backends, cache_dtype, kernel_block_sizes)
     _check_coverage(config, layers)
     packed: dict[int, list[tuple[int, Any]]] = defaultdict(list)
     plain: list[tuple[int, Any]] = []
@@ -192,7 +233,7 @@ def allocate_kv_cache(
         else:
             plain.append((index, tensor))
     make = {"device": device, "shareable": shareable, "driver": driver, "chunk_bytes": chunk_bytes}
-    builder = _Builder(layers, capacity, cache_dtype, make)
+    builder = _Builder(layers, capacity, make)
     try:
         for index, tensor in plain:
             builder.plain_buffer(index, tensor)
@@ -222,12 +263,9 @@ def _check_offsets(index: int, tensor: Any) -> None:
 class _Builder:
     """Makes the buffers of one allocation and places its layers in them."""
 
-    def __init__(
-        self, layers: Mapping[str, _Layer], capacity: int, cache_dtype: str, make: dict[str, Any]
-    ) -> None:
+    def __init__(self, layers: Mapping[str, _Layer], capacity: int, make: dict[str, Any]) -> None:
         self.layers = layers
         self.capacity = capacity
-        self.cache_dtype = cache_dtype
         self.make = make
         self.hybrid = any(is_mamba(layer.spec) for layer in layers.values())
         self.buffers: list[tuple[ExtensibleTensor, int]] = []
@@ -235,7 +273,9 @@ class _Builder:
 
     def segments(self, name: str) -> int:
         layer = self.layers[name]
-        return layer_segments(layer.spec, layer.backend, self.cache_dtype, self.hybrid)
+        return layer_segments(
+            layer.spec, layer.backend, layer.cache_dtype, self.hybrid, layer.kernel_block_size
+        )
 
     def layouts(self, name: str, row_bytes: int, offset: int) -> tuple[BlockLayout, ...]:
         """A layer's layouts in a buffer of ``capacity`` blocks with that row."""
@@ -246,15 +286,24 @@ class _Builder:
                     layer.spec, capacity=self.capacity, row_bytes=row_bytes, offset_bytes=offset
                 )
             )
-        geometry = attention_geometry(layer.backend, layer.spec, self.capacity, self.cache_dtype)
+        geometry = attention_geometry(
+            layer.backend, layer.spec, self.capacity, layer.cache_dtype, layer.kernel_block_size
+        )
         if self.hybrid:
             geometry = geometry.block_major()
+        # A block of r kernel blocks is r rows of row_bytes / r: kernel block
+        # j = b * r + k lies k rows into block b, so one stride serves both.
+        ratio = layer.blocks_per_kv_block
+        if row_bytes % ratio:
+            raise ValueError(
+                f"its {row_bytes}-byte block rows do not split into {ratio} kernel blocks"
+            )
         return (
             place(
                 geometry,
                 layer.spec.dtype,
-                capacity=self.capacity,
-                row_bytes=row_bytes,
+                capacity=self.capacity * ratio,
+                row_bytes=row_bytes // ratio,
                 offset_bytes=offset,
             ),
         )
@@ -266,8 +315,14 @@ class _Builder:
             layouts = self.layouts(name, row, offset)
         except ValueError as exc:
             raise ValueError(f"layer {name!r} does not fit {where}: {exc}") from None
-        mamba = is_mamba(self.layers[name].spec)
-        self.placements[name] = LayerPlacement(buffer, layouts, packed=packed, mamba=mamba)
+        layer = self.layers[name]
+        self.placements[name] = LayerPlacement(
+            buffer,
+            layouts,
+            packed=packed,
+            mamba=is_mamba(layer.spec),
+            blocks_per_kv_block=layer.blocks_per_kv_block,
+        )
 
     def _add(self, buffer: ExtensibleTensor, row: int) -> None:
         self.buffers.append((buffer, row))
@@ -322,6 +377,13 @@ class _Builder:
         """One single-segment buffer for every tensor packed into rows of that width."""
         for index, tensor in members:
             for name in tensor.shared_by:
+                if self.layers[name].blocks_per_kv_block != 1:
+                    raise ValueError(
+                        f"layer {name!r} of packed KV cache tensor {index}: a packed row holds "
+                        f"several layers' pages, so it cannot be split into kernel blocks "
+                        f"(kernel block size {self.layers[name].kernel_block_size}, block size "
+                        f"{self.layers[name].spec.block_size})"
+                    )
                 if self.segments(name) != 1:
                     raise ValueError(
                         f"layer {name!r} of packed KV cache tensor {index} is not block-major "

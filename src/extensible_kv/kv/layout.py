@@ -9,6 +9,7 @@ make one block's bytes in a segment.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -131,37 +132,108 @@ def place(
     return BlockLayout(tuple(shape), tuple(strides), dtype, geometry.block_dim, offset_bytes)
 
 
-def find_block_dim(backend: Any, spec: Any, cache_dtype: str) -> int:
-    """The backend's block dim: asked for, or the dim that follows the block count."""
+def _name(backend: Any) -> str:
+    """A backend's name, for errors: backends are classes or instances."""
+    return backend.__name__ if isinstance(backend, type) else type(backend).__name__
+
+
+def _call(backend: Any, method: str, args: tuple[Any, ...], cache_dtype: str) -> Any:
+    """Call a backend method the way vLLM does (``args`` and a
+    ``cache_dtype_str`` keyword), or, for simpler backends, with fewer.
+
+    vLLM's backends take ``(..., block_size, num_kv_heads, head_size,
+    cache_dtype_str=...)``; our own and many hand-written ones take the same
+    arguments without ``cache_dtype_str``, or (``get_kv_cache_block_dim``)
+    none at all. The first signature the method accepts is used.
+    """
+    function = getattr(backend, method)
+    attempts: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        (args, {"cache_dtype_str": cache_dtype}),
+        (args, {}),
+    ]
+    if method == "get_kv_cache_block_dim":
+        attempts.append(((), {}))
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: vLLM's way
+        return function(*args, cache_dtype_str=cache_dtype)
+    for call_args, kwargs in attempts:
+        try:
+            signature.bind(*call_args, **kwargs)
+        except TypeError:
+            continue
+        return function(*call_args, **kwargs)
+    raise ValueError(
+        f"{_name(backend)}.{method}{signature} takes neither vLLM's arguments "
+        f"({len(args)} positional and cache_dtype_str) nor the same without cache_dtype_str"
+    )
+
+
+def find_block_dim(backend: Any, spec: Any, cache_dtype: str, block_size: int | None = None) -> int:
+    """The backend's block dim: asked for, or the dim that follows the block count.
+
+    ``block_size`` is the kernel's block size (default: the spec's).
+    """
+    block_size = spec.block_size if block_size is None else block_size
     if hasattr(backend, "get_kv_cache_block_dim"):
-        return int(backend.get_kv_cache_block_dim())
-    shapes = [attention_shape(backend, spec, n, cache_dtype) for n in _PROBE_BLOCKS]
+        args = (block_size, spec.num_kv_heads, spec.head_size)
+        return int(_call(backend, "get_kv_cache_block_dim", args, cache_dtype))
+    shapes = [attention_shape(backend, spec, n, cache_dtype, block_size) for n in _PROBE_BLOCKS]
     moved = [d for d, (a, b) in enumerate(zip(*shapes, strict=True)) if a != b]
     if len(moved) != 1 or shapes[0][moved[0]] != _PROBE_BLOCKS[0]:
         raise ValueError(
-            f"cannot tell the block dim of {type(backend).__name__}'s shape {shapes[0]}; "
+            f"cannot tell the block dim of {_name(backend)}'s shape {shapes[0]}; "
             f"give the backend get_kv_cache_block_dim()"
         )
     return moved[0]
 
 
-def attention_shape(backend: Any, spec: Any, num_blocks: int, cache_dtype: str) -> tuple[int, ...]:
-    shape = backend.get_kv_cache_shape(
-        num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, cache_dtype
-    )
-    return tuple(int(n) for n in shape)
+def attention_shape(
+    backend: Any, spec: Any, num_blocks: int, cache_dtype: str, block_size: int | None = None
+) -> tuple[int, ...]:
+    """The backend's logical shape for ``num_blocks`` blocks of ``block_size``
+    tokens (default: the spec's)."""
+    block_size = spec.block_size if block_size is None else block_size
+    args = (num_blocks, block_size, spec.num_kv_heads, spec.head_size)
+    return tuple(int(n) for n in _call(backend, "get_kv_cache_shape", args, cache_dtype))
 
 
 def attention_geometry(
-    backend: Any, spec: Any, num_blocks: int, cache_dtype: str = "auto"
+    backend: Any,
+    spec: Any,
+    num_blocks: int,
+    cache_dtype: str = "auto",
+    kernel_block_size: int | None = None,
 ) -> Geometry:
-    """The geometry an attention backend gives a layer of ``spec``."""
-    shape = attention_shape(backend, spec, num_blocks, cache_dtype)
+    """The geometry an attention backend gives a layer of ``spec``.
+
+    With a ``kernel_block_size`` smaller than the spec's block size, each of
+    the ``num_blocks`` blocks is several kernel blocks, and the shape counts
+    kernel blocks (``num_blocks * spec.block_size // kernel_block_size``).
+    """
+    ratio = blocks_per_kv_block(spec, kernel_block_size)
+    block_size = spec.block_size // ratio
+    shape = attention_shape(backend, spec, num_blocks * ratio, cache_dtype, block_size)
     if hasattr(backend, "get_kv_cache_stride_order"):
         order = tuple(int(d) for d in backend.get_kv_cache_stride_order())
     else:
         order = tuple(range(len(shape)))
-    return Geometry(shape, order, find_block_dim(backend, spec, cache_dtype))
+    return Geometry(shape, order, find_block_dim(backend, spec, cache_dtype, block_size))
+
+
+def blocks_per_kv_block(spec: Any, kernel_block_size: int | None) -> int:
+    """How many kernel blocks make one block of ``spec`` (vLLM's
+    ``blocks_per_kv_block``); 1 without a kernel block size."""
+    if kernel_block_size is None or kernel_block_size == spec.block_size:
+        return 1
+    if isinstance(kernel_block_size, bool) or not isinstance(kernel_block_size, int):
+        raise ValueError(f"a kernel block size is an int (tokens), got {kernel_block_size!r}")
+    if kernel_block_size < 1 or spec.block_size % kernel_block_size:
+        raise ValueError(
+            f"kernel block size {kernel_block_size} does not divide the block size "
+            f"{spec.block_size} (tokens)"
+        )
+    return int(spec.block_size // kernel_block_size)
 
 
 def mamba_layouts(
@@ -185,9 +257,11 @@ def mamba_layouts(
     return layouts
 
 
-def layer_segments(spec: Any, backend: Any, cache_dtype: str, hybrid: bool) -> int:
+def layer_segments(
+    spec: Any, backend: Any, cache_dtype: str, hybrid: bool, kernel_block_size: int | None = None
+) -> int:
     """How many segments a layer's buffer needs: Mamba and hybrid caches are
     block-major (1); attention follows its backend's stride order."""
     if is_mamba(spec) or hybrid:
         return 1
-    return attention_geometry(backend, spec, 1, cache_dtype).num_segments
+    return attention_geometry(backend, spec, 1, cache_dtype, kernel_block_size).num_segments
