@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
 from extensible_kv.driver import Driver, LiveUsage
 from extensible_kv.kv import ExtensibleKVCacheBuffers, KVCacheBuffers
+from extensible_kv.tensor import in_one_chunk_per_segment
 from faults import Fault, attempt, fault_strategy
 
 MiB = 1 << 20
@@ -125,6 +126,52 @@ def test_defragment_maps_each_segment_as_one_chunk(
         assert len(buffer.buffer.chunks) <= buffer.num_segments
         assert int(buffer.full_view()[:64].count_nonzero()) == 0, "defragment discards contents"
         assert buffer.bytes_per_segment == 30 * per_block
+    cache.free()
+
+
+def granules_of_prefix(buffer: ExtensibleTensor, granularity: int) -> int:
+    """Bytes of the granules covering every segment's committed prefix."""
+    covered = set()
+    for segment in range(buffer.num_segments):
+        start = segment * buffer.segment_capacity_bytes
+        end = start + buffer.bytes_per_segment
+        covered |= set(range(start // granularity, -(-end // granularity)))
+    return len(covered) * granularity
+
+
+def test_a_defragmenting_commit_holds_exactly_the_count_asked(
+    stats: StatisticsDriver, device: str, granularity: int
+) -> None:
+    """As vLLM's runner: the final commit of a connector's cache gives back
+    the warm-up prefix past it, and a larger one maps every segment at once."""
+    cache = make_cache(device, stats, chunk_bytes=granularity)
+    cache.ensure_blocks(CAPACITY)  # warm-up touched every block
+    for n in (CAPACITY // 3, CAPACITY // 2):
+        cache.commit(n, defragment=True)
+        assert cache.num_blocks_committed == n
+        for buffer, per_block in cache.buffers:
+            assert buffer.bytes_per_segment == n * per_block
+            assert in_one_chunk_per_segment(buffer)
+            assert buffer.physical_bytes == granules_of_prefix(buffer, granularity), (
+                "nothing past the count stays mapped"
+            )
+    cache.free()
+    assert stats.live == LiveUsage()
+
+
+def test_a_defragmenting_commit_already_done_keeps_live_data(
+    stats: StatisticsDriver, device: str
+) -> None:
+    """Running the final commit again (vLLM's elastic EP re-runs warm-up)
+    must not discard the blocks the engine is serving from."""
+    cache = make_cache(device, stats)
+    cache.commit(20, defragment=True)
+    for buffer, per_block in cache.buffers:
+        block(buffer, per_block, 0, 19).fill_(7)
+    cache.ensure_blocks(1)
+    cache.commit(20, defragment=True)
+    for buffer, per_block in cache.buffers:
+        assert block(buffer, per_block, 0, 19).eq(7).all()
     cache.free()
 
 
@@ -305,12 +352,26 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.asleep_at is None)
     @rule(n=st.integers(0, CAPACITY), defragment=st.booleans(), fault=faults)
     def commit(self, n: int, defragment: bool, fault: Fault) -> None:
-        done = attempt(self.faulty, fault, lambda: self.cache.commit(n, defragment=defragment))
-        self._grew_to(n)
-        if defragment and done:
-            self._zero_blocks(0, self.committed)
-        elif defragment:
-            self.model = {}  # discarded if the defragment ran before the fault
+        if not defragment:
+            attempt(self.faulty, fault, lambda: self.cache.commit(n))
+            self._grew_to(n)
+            return
+        # A defragmenting commit holds exactly n blocks after, zeroed, unless
+        # the cache held exactly that already.
+        kept = n == self.committed and all(
+            in_one_chunk_per_segment(buffer) for buffer, _ in self.cache.buffers
+        )
+        done = attempt(self.faulty, fault, lambda: self.cache.commit(n, defragment=True))
+        now = self.cache.num_blocks_committed
+        if done:
+            assert now == n
+        else:
+            assert now in (self.committed, n), (now, self.committed, n)
+        if not kept:
+            self.model = {}
+            if done:
+                self._zero_blocks(0, n)
+        self.committed = now
 
     @precondition(lambda self: self.asleep_at is None)
     @rule(n=st.integers(0, 3 * CAPACITY), fault=faults)

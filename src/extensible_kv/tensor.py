@@ -686,20 +686,83 @@ def defragment_all(tensors: Sequence[ExtensibleTensor], *, preserve: bool = Fals
 def _defragment(tensors: Sequence[ExtensibleTensor], preserve: bool) -> None:
     for tensor in tensors:
         tensor._check_alive("defragment_")
-    prefixes = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
-    if preserve:
-        synchronize_buffers(tensor._buffer for tensor in tensors)
-        released = release_outside_together(
-            [(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)], synchronized=True
-        )
-        _remap_all(list(zip(tensors, prefixes, strict=True)), merge=True, headroom=released)
+    if not preserve:
+        _remap([(tensor, tensor._bytes_per_segment) for tensor in tensors])
         return
+    prefixes = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
+    synchronize_buffers(tensor._buffer for tensor in tensors)
+    released = release_outside_together(
+        [(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)], synchronized=True
+    )
+    _remap_all(list(zip(tensors, prefixes, strict=True)), merge=True, headroom=released)
+
+
+def remap_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
+    """Discard every tensor's memory and commit each segment's first
+    ``bytes_per_segment`` bytes again as one chunk, reading zero.
+
+    The size may be smaller or larger than the committed one: this is a
+    discarding defragment to a new size, what a KV connector's final commit
+    needs. All or nothing: if the new chunks cannot be made, each tensor
+    keeps its committed size on its previous chunk layout, zeroed, and the
+    error propagates.
+    """
+    with hold_locks(tensor._buffer for tensor, _ in items):
+        for tensor, bytes_per_segment in items:
+            tensor._check_alive("remap_per_segment_all")
+            check_int("bytes_per_segment", bytes_per_segment)
+            if not 0 <= bytes_per_segment <= tensor._segment_capacity_bytes:
+                raise ValueError(
+                    f"bytes_per_segment must be 0 to the segment capacity "
+                    f"{tensor._segment_capacity_bytes}, got {bytes_per_segment}"
+                )
+        _remap(items)
+
+
+def in_one_chunk_per_segment(tensor: ExtensibleTensor) -> bool:
+    """True when each segment's committed prefix is mapped by one chunk of
+    exactly its granules (what :func:`remap_per_segment_all` makes)."""
+    chunks = {(c.offset, c.end) for c in tensor._buffer.chunks}
+    runs = _granule_runs(tensor, tensor._segment_ranges(0, tensor._bytes_per_segment))
+    return all((start, end) in chunks for start, end in runs) and len(chunks) == len(runs)
+
+
+def _granule_runs(tensor: ExtensibleTensor, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The merged runs of granules covering ``ranges``, as ``(start, end)``."""
+    granularity = tensor._buffer.granularity
+    runs: list[tuple[int, int]] = []
+    for offset, size in ranges:
+        if not size:
+            continue
+        start = offset - offset % granularity
+        end = -(-(offset + size) // granularity) * granularity
+        if runs and runs[-1][1] >= start:
+            runs[-1] = (runs[-1][0], max(end, runs[-1][1]))
+        else:
+            runs.append((start, end))
+    return runs
+
+
+def _remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
+    tensors = [tensor for tensor, _ in items]
+    old = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
+    new = [tensor._segment_ranges(0, size) for tensor, size in items]
     layouts = [tensor._buffer.chunks for tensor in tensors]
     try:
-        defragment_together([(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)])
+        defragment_together([(t._buffer, r) for t, r in zip(tensors, new, strict=True)])
     finally:
-        for tensor, ranges, layout in zip(tensors, prefixes, layouts, strict=True):
+        # A late failure (a handle not released) comes after the new chunks
+        # are in place; an early one restores the old layout. Tell them apart
+        # by what is mapped.
+        done = all(
+            _granule_runs(t, r) == [(o, o + n) for o, n in t._buffer.mapped_runs]
+            for t, r in zip(tensors, new, strict=True)
+        )
+        for (tensor, size), ranges, before, layout in zip(items, new, old, layouts, strict=True):
+            if done:
+                tensor._bytes_per_segment = size
+            kept = ranges if done else before
             remapped = tensor._buffer.chunks != layout
-            backed = all(sum(n for _, n in tensor._buffer.mapped_in(*r)) == r[1] for r in ranges)
+            backed = all(sum(n for _, n in tensor._buffer.mapped_in(*r)) == r[1] for r in kept)
             if remapped and backed and not tensor._buffer.driver.zeroes_new_memory:
-                tensor._zero(ranges)
+                tensor._zero(kept)

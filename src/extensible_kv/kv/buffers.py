@@ -17,7 +17,9 @@ from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
     defragment_all,
+    in_one_chunk_per_segment,
     release_physical_all,
+    remap_per_segment_all,
     resize_per_segment_all,
     shrink_per_segment_all,
 )
@@ -168,9 +170,14 @@ class KVCacheBuffers:
         """Back the first ``num_blocks`` blocks of every buffer; new blocks read zero.
 
         A count at or below the committed one changes nothing, unless
-        ``defragment``: then each segment's committed prefix is mapped again
-        as one physical chunk, and its contents are discarded (zeroed), as
-        KV connectors need before they register memory.
+        ``defragment``. With ``defragment`` (what a KV connector needs before
+        it registers memory, as vLLM's runner does) the cache is remapped to
+        hold exactly ``num_blocks`` blocks, each segment as one physical
+        chunk: all memory is released first, so a warm-up prefix past
+        ``num_blocks`` is given back, and every block reads zero after. If
+        the cache already holds exactly that (the same count, one chunk per
+        segment), nothing changes and the contents are kept: a runner that
+        runs its final commit again does not lose live data.
         """
         self._commit(num_blocks, defragment)
 
@@ -182,22 +189,24 @@ class KVCacheBuffers:
                 f"cannot commit {num_blocks} blocks; the capacity is "
                 f"{self.num_blocks_capacity} blocks"
             )
-        before = self._committed
-        if num_blocks > before:
-            self._grow(num_blocks)
         if defragment:
-            try:
-                defragment_all([buffer for buffer, _ in self.buffers])
-            except BaseException:
-                self._shrink_back(before)
-                raise
+            self._remap(num_blocks)
+        elif num_blocks > self._committed:
+            self._grow(num_blocks)
 
-    def _shrink_back(self, num_blocks: int) -> None:
-        """Undo a grow: release the chunks it made (they hold no older block)."""
-        shrink_per_segment_all(
-            [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
-        )
-        self._committed = num_blocks
+    def _remap(self, num_blocks: int) -> None:
+        """Hold exactly ``num_blocks`` blocks, one chunk per segment, zeroed
+        (unless already so); all or nothing."""
+        if num_blocks == self._committed and all(
+            in_one_chunk_per_segment(buffer) for buffer, _ in self.buffers
+        ):
+            return
+        sizes = [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
+        try:
+            remap_per_segment_all(sizes)
+        finally:
+            if all(buffer.bytes_per_segment == size for buffer, size in sizes):
+                self._committed = num_blocks
 
     def _grow(self, num_blocks: int, zero_new: bool = True) -> None:
         resize_per_segment_all(
