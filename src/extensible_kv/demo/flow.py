@@ -46,6 +46,7 @@ from extensible_kv.kv import (
     allocate_kv_cache,
     size_kv_cache,
 )
+from extensible_kv.kv.sizing import DEFAULT_MEMORY_UTILIZATION
 
 
 class Progress(Protocol):
@@ -75,7 +76,8 @@ class FlowSettings:
     warmup_tokens: int = 32
     capacity_blocks: int = 8192
     kv_budget_bytes: int | None = None
-    memory_utilization: float | None = None
+    #: Used when ``kv_budget_bytes`` is None; None: size from free memory.
+    memory_utilization: float | None = DEFAULT_MEMORY_UTILIZATION
     cuda_graph: bool | None = None
 
     @property

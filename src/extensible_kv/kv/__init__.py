@@ -11,7 +11,12 @@ from extensible_kv.kv.backup import HostBackup
 from extensible_kv.kv.buffers import CommitTicket, ExtensibleKVCacheBuffers, KVCacheBuffers
 from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
 from extensible_kv.kv.ranks import agree_num_blocks
-from extensible_kv.kv.sizing import KVSizing, MemorySnapshot, size_kv_cache
+from extensible_kv.kv.sizing import (
+    KVCacheTooSmallError,
+    KVSizing,
+    MemorySnapshot,
+    size_kv_cache,
+)
 from extensible_kv.kv.spec import (
     AttentionBackend,
     AttentionSpec,
@@ -38,6 +43,7 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheGroup",
     "KVCacheTensor",
+    "KVCacheTooSmallError",
     "KVFirstBlockMajorBackend",
     "KVSizing",
     "KVSplitBackend",

@@ -10,6 +10,9 @@ import torch
 MiB = 1 << 20
 #: Head room left free after sizing, as vLLM leaves (bytes).
 DEFAULT_MARGIN_BYTES = 150 * MiB
+#: Share of the device's total memory the process may fill (vLLM's default
+#: ``gpu_memory_utilization``).
+DEFAULT_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,15 @@ class KVSizing:
         return text
 
 
+class KVCacheTooSmallError(ValueError):
+    """Sizing found no room for one block: the engine cannot serve.
+
+    The message names the figures that decided it, as vLLM's does, so the
+    remedy (a larger ``memory_utilization``, a smaller model or batch, a
+    smaller margin) can be read from it.
+    """
+
+
 def size_kv_cache(
     before: MemorySnapshot,
     after: MemorySnapshot,
@@ -75,35 +87,65 @@ def size_kv_cache(
     num_blocks_capacity: int,
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
     kv_budget_bytes: int | None = None,
-    memory_utilization: float | None = None,
+    memory_utilization: float | None = DEFAULT_MEMORY_UTILIZATION,
+    cudagraph_memory_bytes: int = 0,
 ) -> KVSizing:
     """The final block count, from snapshots taken around warm-up.
 
     Warm-up's own use is the drop in free memory minus the KV memory it
-    committed (``kv_bytes_after - kv_bytes_before``). The KV cache may then
-    have the free memory after warm-up, plus what it already holds, minus
-    ``margin_bytes``; with ``memory_utilization`` (a fraction of the total,
-    like vLLM's ``gpu_memory_utilization``) the limit is that share of the
-    device instead of all of it. An explicit ``kv_budget_bytes`` is honoured
-    as asked. The count is capped at the capacity and is at least 1.
+    committed (``kv_bytes_after - kv_bytes_before``), and at least
+    ``cudagraph_memory_bytes``, an estimate of CUDA-graph memory still to
+    come (give it when graphs are captured after sizing; an extensible cache
+    captures them during warm-up, where they are measured, so it needs no
+    estimate). The limit on the device is then, as vLLM's:
 
-    ``bytes_per_block`` is the physical bytes one block adds, summed over
-    all buffers and segments.
+    - ``memory_utilization`` (default 0.9, vLLM's ``gpu_memory_utilization``):
+      that share of the *total* memory, less what everything but the KV cache
+      holds after warm-up;
+    - ``memory_utilization=None``: all the free memory after warm-up plus
+      what the cache already holds;
+    - ``kv_budget_bytes``: exactly that, whatever the snapshots say.
+
+    The first two leave ``margin_bytes`` free besides. The count is capped at
+    the capacity. ``bytes_per_block`` is the physical bytes one block adds,
+    summed over all buffers and segments.
+
+    Raises:
+        KVCacheTooSmallError: not one block fits; the message names free
+            memory, warm-up use, the margin and the share.
     """
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
     if memory_utilization is not None and not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
-    kv_grown = kv_bytes_after - kv_bytes_before
-    warmup = max(0, before.free_bytes - after.free_bytes - kv_grown)
+    if cudagraph_memory_bytes < 0:
+        raise ValueError(f"cudagraph_memory_bytes must be >= 0, got {cudagraph_memory_bytes}")
+    measured = max(0, before.free_bytes - after.free_bytes - (kv_bytes_after - kv_bytes_before))
+    warmup = max(measured, cudagraph_memory_bytes)
+    # Graph memory estimated beyond what warm-up showed is still to come.
+    still_to_come = warmup - measured
     if kv_budget_bytes is not None:
         available = kv_budget_bytes
+        rule = f"the KV budget of {kv_budget_bytes / MiB:.1f} MiB"
     elif memory_utilization is not None:
         used_by_others = after.total_bytes - after.free_bytes - kv_bytes_after
-        available = int(after.total_bytes * memory_utilization) - used_by_others - margin_bytes
+        share = int(after.total_bytes * memory_utilization)
+        available = share - used_by_others - still_to_come - margin_bytes
+        rule = (
+            f"memory_utilization {memory_utilization} allows {share / MiB:.1f} MiB of "
+            f"{after.total_bytes / MiB:.1f} MiB; {used_by_others / MiB:.1f} MiB is held by "
+            f"everything but the KV cache"
+        )
     else:
-        available = after.free_bytes + kv_bytes_after - margin_bytes
-    blocks = max(1, min(num_blocks_capacity, available // bytes_per_block))
-    return KVSizing(
-        warmup, kv_bytes_after, max(0, available), bytes_per_block, blocks, num_blocks_capacity
-    )
+        available = after.free_bytes + kv_bytes_after - still_to_come - margin_bytes
+        rule = f"{after.free_bytes / MiB:.1f} MiB was free after warm-up"
+    blocks = min(num_blocks_capacity, available // bytes_per_block)
+    if blocks < 1:
+        raise KVCacheTooSmallError(
+            f"no room for one KV block of {bytes_per_block} bytes: {rule}; warm-up used "
+            f"{warmup / MiB:.1f} MiB (measured {measured / MiB:.1f} MiB, CUDA-graph estimate "
+            f"{cudagraph_memory_bytes / MiB:.1f} MiB) and the margin is "
+            f"{margin_bytes / MiB:.1f} MiB, leaving {available / MiB:.1f} MiB for the KV cache. "
+            f"Raise memory_utilization, lower the margin, or free memory"
+        )
+    return KVSizing(warmup, kv_bytes_after, available, bytes_per_block, blocks, num_blocks_capacity)
