@@ -99,7 +99,7 @@ def test_sleep_and_wake(stats: StatisticsDriver, device: str) -> None:
     assert stats.live.handles == 0
     cache.release_physical()
     with pytest.raises(ValueError, match="released"):
-        cache.commit(30)
+        cache.trim(0)
     cache.recommit()
     assert not cache.released
     assert cache.num_blocks_committed == 20
@@ -330,6 +330,8 @@ class KVMachine(RuleBasedStateMachine):
         self.cache = make_cache(self.device, self.faulty)
         self.committed = 0
         self.asleep_at: int | None = None
+        # The count recommit() grows to after a commit while released.
+        self.wake_to: int | None = None
         # model[(buffer, segment, block)] = value
         self.model: dict[tuple[int, int, int], int] = {}
         self.kept: dict[tuple[int, int, int], int] | None = None
@@ -349,9 +351,11 @@ class KVMachine(RuleBasedStateMachine):
             self._zero_blocks(self.committed, now)
             self.committed = now
 
-    @precondition(lambda self: self.asleep_at is None)
     @rule(n=st.integers(0, CAPACITY), defragment=st.booleans(), fault=faults)
     def commit(self, n: int, defragment: bool, fault: Fault) -> None:
+        if self.asleep_at is not None:
+            self._commit_while_released(n, defragment, fault)
+            return
         if not defragment:
             attempt(self.faulty, fault, lambda: self.cache.commit(n))
             self._grew_to(n)
@@ -372,6 +376,35 @@ class KVMachine(RuleBasedStateMachine):
             if done:
                 self._zero_blocks(0, n)
         self.committed = now
+        if done:
+            self.wake_to = None
+
+    def _commit_while_released(self, n: int, defragment: bool, fault: Fault) -> None:
+        done = attempt(self.faulty, fault, lambda: self.cache.commit(n, defragment=defragment))
+        if self.cache.released:
+            assert not done
+            return
+        asleep_at, self.asleep_at = self.asleep_at, None
+        assert asleep_at is not None
+        now = self.cache.num_blocks_committed
+        if self.kept is not None:  # restored whole first, then committed
+            self.model, self.kept = self.kept, None
+            self.committed = asleep_at
+            if defragment:
+                assert now in (asleep_at, n)
+                self.model, self.committed = {}, now
+            else:
+                self._grew_to(n)
+            return
+        self.model = {}
+        self.committed = now
+        if done:
+            assert now == n
+            self._zero_blocks(0, n)
+        if not (done and defragment):
+            self.wake_to = max(self.wake_to or 0, asleep_at)
+        else:
+            self.wake_to = None
 
     @precondition(lambda self: self.asleep_at is None)
     @rule(n=st.integers(0, 3 * CAPACITY), fault=faults)
@@ -400,13 +433,19 @@ class KVMachine(RuleBasedStateMachine):
 
     @rule(keep_host_memory=st.booleans(), fault=faults)
     def recommit(self, keep_host_memory: bool, fault: Fault) -> None:
-        attempt(self.faulty, fault, lambda: self.cache.recommit(keep_host_memory=keep_host_memory))
+        done = attempt(
+            self.faulty, fault, lambda: self.cache.recommit(keep_host_memory=keep_host_memory)
+        )
         if self.asleep_at is not None and not self.cache.released:
             self.committed, self.asleep_at = self.asleep_at, None
             if self.kept is None:
                 self._zero_blocks(0, self.committed)
             else:  # restored; blocks the model did not know stay unknown
                 self.model = dict(self.kept)
+        if self.asleep_at is None and self.wake_to is not None:
+            self._grew_to(self.wake_to)
+            if done:
+                self.wake_to = None
 
     @precondition(lambda self: self.asleep_at is None)
     @rule(data=st.data(), fault=faults)
@@ -415,6 +454,8 @@ class KVMachine(RuleBasedStateMachine):
         attempt(self.faulty, fault, lambda: self.cache.trim(n))
         now = self.cache.num_blocks_committed
         assert now in (self.committed, n), (now, self.committed, n)
+        if now == n:
+            self.wake_to = None
         self.committed = now
         self.model = {key: v for key, v in self.model.items() if key[2] < now}
 

@@ -8,7 +8,12 @@ from extensible_kv.kv.allocate import (
     narrow_to_num_blocks,
 )
 from extensible_kv.kv.backup import HostBackup
-from extensible_kv.kv.buffers import CommitTicket, ExtensibleKVCacheBuffers, KVCacheBuffers
+from extensible_kv.kv.buffers import (
+    CommitTicket,
+    ConnectorRegistrationWarning,
+    ExtensibleKVCacheBuffers,
+    KVCacheBuffers,
+)
 from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
 from extensible_kv.kv.ranks import agree_num_blocks
 from extensible_kv.kv.sizing import (
@@ -35,6 +40,7 @@ __all__ = [
     "BlockLayout",
     "BlockMajorBackend",
     "CommitTicket",
+    "ConnectorRegistrationWarning",
     "ExtensibleKVCacheBuffers",
     "Geometry",
     "HostBackup",

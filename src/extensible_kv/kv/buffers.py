@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ def _serialized(method: Callable[_P, _R]) -> Callable[_P, _R]:
             return method(*args, **kwargs)
 
     return wrapper
+
+
+class ConnectorRegistrationWarning(UserWarning):
+    """A sleep released memory a KV connector had registered: the connector
+    must register the views again after :meth:`KVCacheBuffers.recommit`."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,10 @@ class KVCacheBuffers:
         self.buffers: list[tuple[ExtensibleTensor, int]] = []
         self._committed = 0
         self._asleep_at: int | None = None
+        # The count the next recommit() grows to, when a commit woke the
+        # cache partly (a commit while released).
+        self._wake_to: int | None = None
+        self._registered: list[str] = []
         self._backup: HostBackup | None = None
         self._spare: HostBackup | None = None
         self._lock = threading.RLock()
@@ -154,6 +164,65 @@ class KVCacheBuffers:
         if self.released:
             raise ValueError(f"the KV cache is released (asleep); call recommit() before {what}")
 
+    def _check_unregistered(self, what: str) -> None:
+        """Refuse what would unmap or change memory a connector registered."""
+        if self._registered:
+            raise ValueError(
+                f"{what} would change memory that KV connector registrations "
+                f"({', '.join(self._registered)}) point at; unregister_external() first, "
+                f"then register the views again after"
+            )
+
+    # -- KV connectors ----------------------------------------------------------
+
+    @property
+    def external_registrations(self) -> tuple[str, ...]:
+        """Names under which connectors registered this cache's memory."""
+        return tuple(self._registered)
+
+    @_serialized
+    def register_external(self, name: str) -> None:
+        """Record that a KV connector (NIXL, UCX, an RDMA library) registered
+        this cache's memory, so that nothing pulls it from under it.
+
+        Call it when the connector registers :meth:`KVCache.narrowed_views`.
+        Registered memory must be shareable (``allocate_kv_cache(...,
+        shareable=True)``) and mapped one chunk per segment (register after
+        ``commit(n, defragment=True)``): UCX cannot transfer a region
+        spanning several physical allocations. While registered, a
+        discarding sleep, a trim, a defragment and a commit that grows or
+        remaps are refused; a preserving sleep drops the registrations with
+        a :class:`ConnectorRegistrationWarning` (register again after
+        :meth:`recommit`).
+        """
+        self._check_awake("register_external()")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a registration is named by a non-empty str, got {name!r}")
+        if name in self._registered:
+            raise ValueError(f"{name!r} is already registered")
+        plain = [b for b, _ in self.buffers if not b.buffer.shareable]
+        if plain:
+            raise ValueError(
+                f"{len(plain)} of {len(self.buffers)} buffers are not shareable; a KV connector "
+                f"needs memory made with shareable=True (allocate_kv_cache(..., shareable=True))"
+            )
+        scattered = [b for b, _ in self.buffers if not in_one_chunk_per_segment(b)]
+        if scattered:
+            raise ValueError(
+                f"{len(scattered)} of {len(self.buffers)} buffers span several physical "
+                f"allocations per segment, which UCX cannot transfer; call "
+                f"commit(num_blocks, defragment=True) before registering"
+            )
+        self._registered.append(name)
+
+    @_serialized
+    def unregister_external(self, name: str) -> None:
+        """Forget a registration made by :meth:`register_external`."""
+        if name not in self._registered:
+            listed = ", ".join(map(repr, self._registered)) or "none"
+            raise ValueError(f"{name!r} is not registered (registered: {listed})")
+        self._registered.remove(name)
+
     # -- growth -----------------------------------------------------------------
 
     @_serialized
@@ -161,6 +230,7 @@ class KVCacheBuffers:
         """Take one more buffer (e.g. a draft model's KV) into the lockstep;
         it is committed to the current block count, zeroed."""
         self._check_awake("add()")
+        self._check_unregistered("add()")
         self._check_buffer(buffer, bytes_per_block_per_segment)
         buffer.resize_per_segment_(self._committed * bytes_per_block_per_segment, zero_new=True)
         self.buffers.append((buffer, bytes_per_block_per_segment))
@@ -178,11 +248,18 @@ class KVCacheBuffers:
         the cache already holds exactly that (the same count, one chunk per
         segment), nothing changes and the contents are kept: a runner that
         runs its final commit again does not lose live data.
+
+        While released (asleep), a commit wakes the cache: after a discarding
+        release only the first ``num_blocks`` blocks are committed (zeroed),
+        as vLLM's runner expects when it warms up again before waking the
+        cache, and :meth:`recommit` later grows it to the count it slept at;
+        after a preserving release the whole cache is restored first, so no
+        block of the host copy is lost.
         """
         self._commit(num_blocks, defragment)
 
     def _commit(self, num_blocks: int, defragment: bool = False) -> None:
-        self._check_awake("commit()")
+        self._check_alive("commit()")
         check_int("num_blocks", num_blocks)
         if not 0 <= num_blocks <= self.num_blocks_capacity:
             raise ValueError(
@@ -190,9 +267,43 @@ class KVCacheBuffers:
                 f"{self.num_blocks_capacity} blocks"
             )
         if defragment:
+            if num_blocks != self._committed or not all(
+                in_one_chunk_per_segment(buffer) for buffer, _ in self.buffers
+            ):
+                self._check_unregistered("a defragmenting commit")
+        elif num_blocks > self._committed:
+            self._check_unregistered(f"growing to {num_blocks} blocks")
+        if self._asleep_at is not None:
+            self._wake_for_commit(num_blocks, defragment)
+            return
+        if defragment:
             self._remap(num_blocks)
+            self._wake_to = None
         elif num_blocks > self._committed:
             self._grow(num_blocks)
+
+    def _wake_for_commit(self, num_blocks: int, defragment: bool) -> None:
+        """A commit while released: restore a host copy whole, else commit
+        only what was asked and leave the rest to :meth:`recommit`."""
+        asleep_at = self._asleep_at
+        assert asleep_at is not None
+        if self._backup is not None:
+            self._recommit(keep_host_memory=False, staging_bytes=DEFAULT_STAGING_BYTES)
+            self._commit(num_blocks, defragment)
+            return
+        self._asleep_at = None
+        try:
+            if defragment:
+                self._remap(num_blocks)
+            else:
+                self._grow(num_blocks)
+        except BaseException:
+            if not any(buffer.physical_bytes for buffer, _ in self.buffers):
+                self._asleep_at = asleep_at  # nothing committed: still asleep
+                raise
+            self._wake_to = max(self._wake_to or 0, asleep_at)
+            raise
+        self._wake_to = None if defragment else max(self._wake_to or 0, asleep_at)
 
     def _remap(self, num_blocks: int) -> None:
         """Hold exactly ``num_blocks`` blocks, one chunk per segment, zeroed
@@ -239,6 +350,7 @@ class KVCacheBuffers:
         (counted in :attr:`physical_bytes`), and the error propagates.
         """
         self._check_awake("trim()")
+        self._check_unregistered("trim()")
         check_int("num_blocks", num_blocks)
         if not 0 <= num_blocks <= self._committed:
             raise ValueError(
@@ -252,6 +364,7 @@ class KVCacheBuffers:
         finally:
             if all(b.bytes_per_segment == num_blocks * per_block for b, per_block in self.buffers):
                 self._committed = num_blocks
+                self._wake_to = None
 
     @_serialized
     def defragment(self, preserve: bool = True) -> None:
@@ -262,6 +375,7 @@ class KVCacheBuffers:
         time. Without, contents are discarded, as ``commit(n, defragment=True)``.
         """
         self._check_awake("defragment()")
+        self._check_unregistered("defragment()")
         if preserve:
             defragment_all([buffer for buffer, _ in self.buffers], preserve=True)
         else:
@@ -336,8 +450,16 @@ class KVCacheBuffers:
         pinned ring of ``2 * staging_bytes``) and :meth:`recommit` restores
         them, so a prefix cache survives the sleep; otherwise contents are
         discarded. Idempotent.
+
+        With KV connector registrations (:meth:`register_external`), a
+        discarding release is refused, as vLLM refuses to sleep with a
+        connector; a preserving one drops them with a
+        :class:`ConnectorRegistrationWarning`: the connector must register
+        the views again after :meth:`recommit`.
         """
         self._check_alive("release_physical()")
+        if not preserve:
+            self._check_unregistered("a discarding release_physical()")
         if self._asleep_at is None and preserve:
             # Writers on any stream (an engine's side streams, the zeroing
             # of commit_async) must be done before the copy reads the blocks.
@@ -361,6 +483,18 @@ class KVCacheBuffers:
             if all(buffer.physical_bytes == 0 for buffer, _ in self.buffers):
                 self._asleep_at = committed
                 self._committed = 0
+                self._drop_registrations()
+
+    def _drop_registrations(self) -> None:
+        if self._registered:
+            warnings.warn(
+                f"release_physical(preserve=True) released memory that KV connector "
+                f"registrations ({', '.join(self._registered)}) point at; they are dropped: "
+                f"register kv.narrowed_views() again after recommit()",
+                ConnectorRegistrationWarning,
+                stacklevel=4,
+            )
+            self._registered.clear()
 
     @_serialized
     def recommit(
@@ -371,9 +505,17 @@ class KVCacheBuffers:
         Blocks read zero, or, after a preserving release, what they held. The
         host copy is then dropped (its memory goes back to the OS) unless
         ``keep_host_memory``, which keeps it for the next preserving sleep.
-        Does nothing when awake.
+        After a commit while released woke the cache partly, this grows it
+        (zeroed) to the count it slept at. Does nothing otherwise.
         """
         self._check_alive("recommit()")
+        self._recommit(keep_host_memory=keep_host_memory, staging_bytes=staging_bytes)
+        if self._wake_to is not None:
+            if self._wake_to > self._committed:
+                self._grow(self._wake_to)
+            self._wake_to = None
+
+    def _recommit(self, *, keep_host_memory: bool, staging_bytes: int) -> None:
         if self._asleep_at is None:
             return
         backup = self._backup
@@ -417,6 +559,8 @@ class KVCacheBuffers:
             self.buffers = []
             self._committed = 0
             self._asleep_at = None
+            self._wake_to = None
+            self._registered.clear()
             self._drop_backup()
 
 
