@@ -72,3 +72,24 @@ def test_without_a_gpu_backend_cuda_says_why() -> None:
     assert extensible_kv.vmm_unavailable_reason() == reason
     with pytest.raises(BackendUnavailableError, match=re.escape(reason)):
         get_driver("cuda")
+
+
+def test_cuda_without_an_ordinal_probes_the_current_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As vLLM's probe: a worker whose current device is 3 asks about 3.
+
+    Mocked at the driver boundary (no GPU here): torch reports a current
+    device and the probe records the ordinal it is asked for.
+    """
+    from extensible_kv.driver import select
+
+    probed: list[tuple[str, int | None]] = []
+    monkeypatch.setattr(select, "_usable", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(select, "_probe", lambda kind, index: probed.append((kind, index)))
+    assert unavailable_reason("cuda") is None
+    assert unavailable_reason("cuda:1") is None
+    assert extensible_kv.vmm_unavailable_reason() is None
+    assert probed == [("cuda", 3), ("cuda", 1)], "a passed probe is cached per ordinal"

@@ -136,19 +136,28 @@ def unavailable_reason(device: object = "cuda") -> str | None:
     unreadable device is itself a reason. A device found usable is not
     probed again; one that is not is probed again on the next call, since
     what was missing (a driver, a free device) may have come since.
-    ``"cuda"`` without an ordinal probes device 0.
+    ``"cuda"`` without an ordinal probes the current device, as vLLM's does.
     """
     try:
         spec = parse_device(device)
     except ValueError as exc:
         return str(exc)
-    key = (spec.type, spec.index)
+    key = (spec.type, _ordinal(spec))
     if key in _usable:
         return None
     reason = _probe(*key)
     if reason is None:
         _usable.add(key)
     return reason
+
+
+def _ordinal(spec: DeviceSpec) -> int | None:
+    """The ordinal to probe: the one given, else torch's current device
+    (which initializes CUDA, as the probe would); None on the host or when
+    torch sees no GPU (the probe then says why)."""
+    if spec.index is not None or spec.type == "cpu" or not torch.cuda.is_available():
+        return spec.index
+    return int(torch.cuda.current_device())
 
 
 #: Devices whose probe passed, as (type, index).
