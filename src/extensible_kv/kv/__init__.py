@@ -16,6 +16,13 @@ from extensible_kv.kv.buffers import (
 )
 from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
 from extensible_kv.kv.ranks import agree_num_blocks
+from extensible_kv.kv.runner import (
+    WarmupMeter,
+    commit_final_size,
+    fit_max_model_len,
+    register_connector,
+    sized_config,
+)
 from extensible_kv.kv.sizing import (
     KVCacheTooSmallError,
     KVSizing,
@@ -56,10 +63,15 @@ __all__ = [
     "LayerPlacement",
     "MambaSpec",
     "MemorySnapshot",
+    "WarmupMeter",
     "agree_num_blocks",
     "allocate_kv_cache",
     "attention_geometry",
+    "commit_final_size",
+    "fit_max_model_len",
     "narrow_to_num_blocks",
     "place",
+    "register_connector",
     "size_kv_cache",
+    "sized_config",
 ]
