@@ -188,3 +188,42 @@ def test_packed_rows_refuse_kernel_blocks(stats: StatisticsDriver, device: str) 
     with pytest.raises(ValueError, match="cannot be split into kernel blocks"):
         allocate_kv_cache(packed, PlainBackend, device, kernel_block_sizes=[8], driver=stats)
     assert stats.live.reservations == 0
+
+
+class VllmBaseBackend:
+    """Like vLLM's AttentionBackend base class: its optional methods raise."""
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @classmethod
+    def get_kv_cache_block_dim(
+        cls, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> int:
+        raise NotImplementedError
+
+
+class SubclassedSplitBackend(VllmBaseBackend):
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def test_a_base_class_that_raises_not_implemented_means_the_default(
+    stats: StatisticsDriver, device: str
+) -> None:
+    """vLLM's runner reads NotImplementedError as 'identity order' and probes
+    the block dim; so does the cache."""
+    cache = allocate_kv_cache(config(["a"]), SubclassedSplitBackend, device, driver=stats)
+    view = cache.views["a"]
+    assert isinstance(view, torch.Tensor)
+    assert view.shape == (2, CAPACITY, 16, 2, 64)
+    assert cache.buffers.buffers[0][0].num_segments == 2
+    cache.free()

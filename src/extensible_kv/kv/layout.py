@@ -177,7 +177,10 @@ def find_block_dim(backend: Any, spec: Any, cache_dtype: str, block_size: int | 
     block_size = spec.block_size if block_size is None else block_size
     if hasattr(backend, "get_kv_cache_block_dim"):
         args = (block_size, spec.num_kv_heads, spec.head_size)
-        return int(_call(backend, "get_kv_cache_block_dim", args, cache_dtype))
+        try:
+            return int(_call(backend, "get_kv_cache_block_dim", args, cache_dtype))
+        except NotImplementedError:
+            pass  # vLLM's base class: probe, as vLLM does
     shapes = [attention_shape(backend, spec, n, cache_dtype, block_size) for n in _PROBE_BLOCKS]
     moved = [d for d, (a, b) in enumerate(zip(*shapes, strict=True)) if a != b]
     if len(moved) != 1 or shapes[0][moved[0]] != _PROBE_BLOCKS[0]:
@@ -214,11 +217,20 @@ def attention_geometry(
     ratio = blocks_per_kv_block(spec, kernel_block_size)
     block_size = spec.block_size // ratio
     shape = attention_shape(backend, spec, num_blocks * ratio, cache_dtype, block_size)
-    if hasattr(backend, "get_kv_cache_stride_order"):
-        order = tuple(int(d) for d in backend.get_kv_cache_stride_order())
-    else:
-        order = tuple(range(len(shape)))
-    return Geometry(shape, order, find_block_dim(backend, spec, cache_dtype, block_size))
+    return Geometry(
+        shape,
+        _stride_order(backend, len(shape)),
+        find_block_dim(backend, spec, cache_dtype, block_size),
+    )
+
+
+def _stride_order(backend: Any, ndim: int) -> tuple[int, ...]:
+    """The backend's stride order; the identity when it has none, as vLLM
+    reads a missing method or its base class's NotImplementedError."""
+    try:
+        return tuple(int(d) for d in backend.get_kv_cache_stride_order())
+    except (AttributeError, NotImplementedError):
+        return tuple(range(ndim))
 
 
 def blocks_per_kv_block(spec: Any, kernel_block_size: int | None) -> int:
