@@ -14,6 +14,7 @@ from extensible_kv.kv.buffers import (
     ExtensibleKVCacheBuffers,
     KVCacheBuffers,
 )
+from extensible_kv.kv.builder import ExtensibleKVCacheBuilder
 from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
 from extensible_kv.kv.ranks import agree_num_blocks
 from extensible_kv.kv.runner import (
@@ -49,6 +50,7 @@ __all__ = [
     "CommitTicket",
     "ConnectorRegistrationWarning",
     "ExtensibleKVCacheBuffers",
+    "ExtensibleKVCacheBuilder",
     "Geometry",
     "HostBackup",
     "KVCache",

@@ -381,6 +381,10 @@ class KVCacheBuffers:
         else:
             self._commit(self._committed, defragment=True)
 
+    def extend(self, num_blocks: int, defragment: bool = False) -> None:
+        """vLLM's name for the final commit, once sizing decided: :meth:`commit`."""
+        self.commit(num_blocks, defragment=defragment)
+
     @_serialized
     def ensure_blocks(self, num_blocks: int) -> None:
         """Commit at least ``num_blocks`` blocks, capped at the capacity.
