@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,3 +42,14 @@ def test_the_readme_numbers_are_the_docs_numbers() -> None:
     source = (ROOT / "docs" / "performance.md").read_text()
     assert set(sync.blocks(README)) == {"host-numbers", "feature-numbers"}
     assert sync.synced(source, README) == README, "run python3 scripts/sync_readme.py"
+
+
+def test_the_integration_guide_runs_as_written() -> None:
+    """docs/integration.md's blocks are one program, run in order."""
+    guide = (ROOT / "docs" / "integration.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert len(blocks) >= 5
+    namespace: dict[str, object] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the guide shows no call that warns
+        exec(compile("\n".join(blocks), "docs/integration.md", "exec"), namespace)

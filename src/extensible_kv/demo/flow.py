@@ -41,10 +41,9 @@ from extensible_kv.kv import (
     KVCacheTensor,
     KVSizing,
     KVSplitBackend,
-    MemorySnapshot,
-    agree_num_blocks,
+    WarmupMeter,
     allocate_kv_cache,
-    size_kv_cache,
+    commit_final_size,
 )
 from extensible_kv.kv.sizing import DEFAULT_MEMORY_UTILIZATION
 
@@ -190,8 +189,7 @@ def run_flow(
     timeline.mark("reserve")
     try:
         # 2. Warm up; commit blocks as warm-up reaches them.
-        before = MemorySnapshot.take(device)
-        kv_before = kv.buffers.physical_bytes
+        meter = WarmupMeter.start(kv.buffers, device)
         warm_prompts = [[0] * settings.warmup_tokens for _ in range(settings.batch)]
         progress.start("warm-up", settings.warmup_tokens)
         generate(
@@ -201,7 +199,7 @@ def run_flow(
             block_size=settings.model.block_size,
             max_blocks=max_blocks,
             device=device,
-            ensure_blocks=kv.buffers.ensure_blocks,
+            ensure_blocks=meter.ensure_blocks,
             on_step=progress.advance,
         )
         step: StepFn = (
@@ -212,23 +210,16 @@ def run_flow(
         timeline.mark("warm-up")
 
         # 3. Measure and size, then commit the final count.
-        sizing = size_kv_cache(
-            before,
-            MemorySnapshot.take(device),
-            kv_bytes_before=kv_before,
-            kv_bytes_after=kv.buffers.physical_bytes,
-            bytes_per_block=kv.buffers.bytes_per_block,
-            num_blocks_capacity=settings.capacity_blocks,
+        sizing = meter.size(
             kv_budget_bytes=settings.kv_budget_bytes,
             memory_utilization=settings.memory_utilization,
         )
-        num_blocks = agree_num_blocks(sizing.num_blocks)
+        num_blocks = commit_final_size(kv.buffers, sizing.num_blocks)
         if num_blocks < needed:
             raise RuntimeError(
                 f"{sizing.describe()}; {num_blocks} blocks are fewer than the {needed} "
                 f"generation needs"
             )
-        kv.buffers.commit(num_blocks)
         timeline.mark("final commit")
 
         # 4. Generate.

@@ -159,7 +159,7 @@ def generate(
     block_size: int,
     max_blocks: int,
     device: torch.device,
-    ensure_blocks: Callable[[int], None] | None = None,
+    ensure_blocks: Callable[[int], object] | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """Greedy decoding of equal-length prompts, one position per step.
