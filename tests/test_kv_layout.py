@@ -145,11 +145,11 @@ def test_packed_rows_hold_several_layers(stats: StatisticsDriver, device: str) -
     assert b[0].eq(2.0).all()
     b[CAPACITY - 1].fill_(5.0)
     narrowed = cache.narrowed_views(10)
-    for name in ("a", "b"):
+    for name, end in (("a", 9 * row + page), ("b", 10 * row)):
         view = narrowed[name]
         assert isinstance(view, torch.Tensor)
         assert view.shape[0] == 10
-        assert view.untyped_storage().nbytes() == 10 * row, "storage ends at the committed prefix"
+        assert view.untyped_storage().nbytes() == end, "storage ends at the view's last byte"
     assert narrowed["b"][0].eq(2.0).all()
     cache.free()
 
@@ -164,6 +164,22 @@ def test_narrowing_keeps_pointers_and_strides(stats: StatisticsDriver, device: s
     assert narrowed.shape == (2, 100, 16, 2, 64)
     assert narrowed.stride() == full.stride()
     assert narrowed.data_ptr() == full.data_ptr()
+    half = SPEC.page_size_bytes // 2
+    # Storage ends at V's 100th block: K's uncommitted tail lies between.
+    assert narrowed.untyped_storage().nbytes() == CAPACITY * half + 100 * half
+    cache.free()
+
+
+def test_a_block_major_narrowed_view_is_exactly_the_committed_blocks(
+    stats: StatisticsDriver, device: str
+) -> None:
+    """What a connector that registers ``untyped_storage()`` registers."""
+    cache = allocate_kv_cache(config(["a"]), BlockMajorBackend, device, driver=stats)
+    cache.buffers.commit(100)
+    narrowed = cache.narrowed_views()["a"]
+    assert isinstance(narrowed, torch.Tensor)
+    assert narrowed.untyped_storage().nbytes() == 100 * SPEC.page_size_bytes
+    assert cache.narrowed_views(0)["a"].untyped_storage().nbytes() == 0  # type: ignore[union-attr]
     cache.free()
 
 

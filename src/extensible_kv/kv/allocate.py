@@ -83,27 +83,24 @@ def narrow_to_num_blocks(
     """Each layer's views trimmed to its first ``num_blocks`` blocks (which
     are ``num_blocks * blocks_per_kv_block`` kernel blocks of its views).
 
-    Views keep their base pointers and strides. Packed views are rebuilt on
-    storage that ends at the last committed row, so a connector that
-    registers a view's storage registers committed memory only. Register
-    after a defragmenting commit: UCX cannot transfer a region spanning
-    several physical allocations.
+    Views keep their base pointers and strides, and are rebuilt on storage
+    that ends at their last committed byte: a connector that registers a
+    view's storage (``untyped_storage().nbytes()``) registers no address
+    past the committed blocks. A block-major view's storage is exactly its
+    committed blocks; a view of several segments (K/V split) spans the
+    uncommitted tail of every segment but the last, so register those per
+    segment (``view[0]``, ``view[1]``). Register after a defragmenting
+    commit: UCX cannot transfer a region spanning several physical
+    allocations. ``views`` gives the layers; the placements hold their layouts.
     """
     narrowed: dict[str, LayerView] = {}
-    for name, view in views.items():
+    for name in views:
         placement = placements[name]
-        if placement.packed:
-            row = placement.layouts[0].strides[placement.layouts[0].block_dim]
-            row_bytes = row * placement.layouts[0].dtype.itemsize
-            storage = as_tensor(placement.buffer.buffer, 0, num_blocks * row_bytes)
-            trimmed = [layout.with_blocks(num_blocks).view(storage) for layout in placement.layouts]
-        else:
-            tensors = view if isinstance(view, list) else [view]
-            kernel_blocks = num_blocks * placement.blocks_per_kv_block
-            trimmed = [
-                t.narrow(layout.block_dim, 0, kernel_blocks)
-                for t, layout in zip(tensors, placement.layouts, strict=True)
-            ]
+        kernel_blocks = num_blocks * placement.blocks_per_kv_block
+        layouts = [layout.with_blocks(kernel_blocks) for layout in placement.layouts]
+        end = max(layout.end_bytes for layout in layouts)
+        storage = as_tensor(placement.buffer.buffer, 0, end)
+        trimmed = [layout.view(storage) for layout in layouts]
         narrowed[name] = trimmed if placement.mamba else trimmed[0]
     return narrowed
 

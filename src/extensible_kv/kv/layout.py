@@ -83,6 +83,15 @@ class BlockLayout:
         typed = full[: full.numel() // size * size].view(self.dtype)
         return typed.as_strided(self.shape, self.strides, self.offset_bytes // size)
 
+    @property
+    def end_bytes(self) -> int:
+        """One past the last byte the layout's tensor covers, from the
+        buffer's start (0 for an empty tensor)."""
+        if 0 in self.shape:
+            return 0
+        last = sum((n - 1) * stride for n, stride in zip(self.shape, self.strides, strict=True))
+        return self.offset_bytes + (last + 1) * itemsize(self.dtype)
+
     def with_blocks(self, num_blocks: int) -> BlockLayout:
         """The same layout trimmed to the first ``num_blocks`` blocks."""
         shape = list(self.shape)
