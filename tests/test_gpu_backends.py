@@ -194,9 +194,11 @@ def test_torch_initializes_cuda_before_the_driver_is_touched(
     bindings.cuInit = cu_init  # type: ignore[method-assign]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "init", lambda: order.append("torch.cuda.init"))
+    # Asking torch for the current device initializes CUDA through torch too.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: order.append("torch") or 0)
     monkeypatch.setattr("extensible_kv.driver.cuda.load_bindings", lambda: bindings)
     assert select.unavailable_reason("cuda") is None
-    assert order == ["torch.cuda.init", "cuInit"]
+    assert order == ["torch", "torch.cuda.init", "cuInit"]
 
 
 def test_a_failed_probe_is_tried_again(
