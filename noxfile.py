@@ -24,7 +24,7 @@ def tests(session: nox.Session) -> None:
     backends' struct building and their no-driver path.
     """
     session.install(TORCH)
-    session.install("-e", ".[test,plot,cuda,rocm]")
+    session.install("-e", ".[test,plot,cuda,rocm,transformers]")
     session.run("pytest", *session.posargs)
 
 
@@ -40,7 +40,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on the library."""
     session.install(TORCH)
-    session.install("-e", ".[plot]", "mypy==2.4.1")
+    session.install("-e", ".[plot,transformers]", "mypy==2.4.1")
     session.run("mypy")
 
 

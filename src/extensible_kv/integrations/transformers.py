@@ -1,0 +1,311 @@
+"""A Hugging Face ``transformers`` cache with fixed addresses and the memory
+of the sequence.
+
+``DynamicCache`` grows by ``torch.cat``: memory follows the sequence, but
+every step copies the whole cache and moves it. ``StaticCache`` keeps its
+addresses, but takes ``max_cache_len`` of memory for every layer up front.
+:class:`ExtensibleCache` reserves ``max_cache_len`` of address space per
+layer and commits memory as tokens arrive: every layer's keys and values
+stay at the same addresses for the whole generation, and physical memory is
+what the tokens take, rounded up to one granule per tensor.
+
+Use it as any cache::
+
+    cache = ExtensibleCache(max_cache_len=4096, config=model.config)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
+
+Positions are stored outermost (physically ``[position, batch, head,
+dim]``, seen as transformers' ``[batch, head, position, dim]``), so the
+committed tokens are a prefix of each tensor's memory. The keys and values
+handed to attention span the committed positions only: a kernel never sees
+an address without memory behind it.
+
+Between two turns of a chat the cache can sleep
+(:meth:`ExtensibleCache.release_physical`, preserving or not) and wake
+(:meth:`ExtensibleCache.recommit`), at the same addresses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from extensible_kv._checks import check_int, round_up
+from extensible_kv.driver import Driver
+from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.tensor import ExtensibleTensor
+
+__all__ = ["ExtensibleCache", "ExtensibleLayer"]
+
+
+class _Lockstep:
+    """The buffers of every layer, committed together by tokens: each
+    layer's keys and values are two buffers of one token row each."""
+
+    def __init__(self, max_cache_len: int) -> None:
+        self.buffers = KVCacheBuffers([], max_cache_len)
+
+    def ensure(self, num_tokens: int) -> None:
+        """Back the first ``num_tokens`` positions of every layer.
+
+        Commits up to the end of the granules those positions need: the
+        memory is mapped anyway, and the steps that follow then find their
+        positions committed without a call.
+        """
+        if num_tokens <= self.buffers.num_blocks_committed:
+            return
+        fits = min(
+            round_up(num_tokens * row, buffer.buffer.granularity) // row
+            for buffer, row in self.buffers.buffers
+        )
+        self.buffers.commit(min(self.buffers.num_blocks_capacity, max(num_tokens, fits)))
+
+
+class ExtensibleLayer(CacheLayerMixin):
+    """One layer's keys and values, reserved for ``max_cache_len`` tokens and
+    committed as they arrive (transformers' cache-layer extension point).
+
+    Made by :class:`ExtensibleCache`, which commits every layer in lockstep
+    and owns the memory. ``keys`` and ``values`` are views of the committed
+    positions; their ``data_ptr()`` never changes.
+    """
+
+    is_compileable = False  # the views' sequence length grows every step
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(
+        self,
+        max_cache_len: int,
+        lockstep: _Lockstep,
+        *,
+        driver: Driver | None = None,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.cumulative_length = 0
+        self._lockstep = lockstep
+        self._driver = driver
+        self._chunk_bytes = chunk_bytes
+        # Keys and values over all max_cache_len positions (uncommitted
+        # ones included: only slices of committed positions leave the layer).
+        self._full: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._batch = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Reserve both tensors for ``max_cache_len`` tokens of this batch;
+        nothing is committed until tokens arrive."""
+        self.device = key_states.device
+        self._batch = self.batch_size = key_states.shape[0]
+        self._full = self._reserve(key_states), self._reserve(value_states)
+        self.is_initialized = True
+        self._narrow()
+
+    def _reserve(self, states: torch.Tensor) -> torch.Tensor:
+        batch, heads, _, dim = states.shape
+        row = batch * heads * dim * states.element_size()  # one token, bytes
+        buffer = ExtensibleTensor(
+            self.max_cache_len * row,
+            states.device,
+            driver=self._driver,
+            chunk_bytes=self._chunk_bytes,
+        )
+        self._lockstep.buffers.add(buffer, row)
+        # Positions outermost in memory, so committed tokens are a prefix;
+        # transformers sees [batch, heads, positions, dim].
+        full = buffer.full_view().view(states.dtype)
+        return full.view(self.max_cache_len, batch, heads, dim).permute(1, 2, 0, 3)
+
+    def _narrow(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Point ``keys`` and ``values`` at the committed positions; return them."""
+        keys, values = (full[: self._batch, :, : self.cumulative_length] for full in self._both())
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def _both(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._full is None:
+            raise RuntimeError("the layer has no memory before its first update")
+        return self._full
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new states after the cached ones; return all of them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        full_keys, full_values = self._both()
+        start = self.cumulative_length
+        end = start + key_states.shape[-2]
+        if end > self.max_cache_len:
+            raise ValueError(
+                f"the cache holds max_cache_len={self.max_cache_len} tokens; {end} do not fit "
+                f"(make the cache with a larger max_cache_len)"
+            )
+        if key_states.shape[0] != self._batch:
+            raise ValueError(
+                f"the cache holds a batch of {self._batch}, not {key_states.shape[0]}; "
+                f"use one cache per batch"
+            )
+        self._lockstep.ensure(end)
+        full_keys[: self._batch, :, start:end].copy_(key_states)
+        full_values[: self._batch, :, start:end].copy_(value_states)
+        self.cumulative_length = end
+        return self._narrow()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        """Forget the tokens (the cache gives their memory back)."""
+        self.cumulative_length = 0
+        if self.is_initialized:
+            self._narrow()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (a negative int, as
+        ``DynamicLayer``); the next update overwrites them in place."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache "
+                "instead."
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
+        self._narrow()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` takes row ``beam_idx[i]``, in place."""
+        if self.cumulative_length == 0:
+            return
+        index = beam_idx.to(self.device)
+        for states in self._narrow():
+            states.copy_(states.index_select(0, index))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` of the batch, moved to the front in place
+        (the memory of the rows dropped stays until the cache is reset)."""
+        if not self.is_initialized:
+            return
+        index = torch.as_tensor(indices, device=self.device).flatten()
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        kept = [states.index_select(0, index) for states in self._narrow()]
+        self._batch = self.batch_size = index.numel()
+        for states, rows in zip(self._narrow(), kept, strict=True):
+            states.copy_(rows)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Unsupported once reserved: the reservation holds the batch of
+        the first update. Start ``generate`` from an empty cache instead."""
+        if not self.is_initialized or repeats == 1:
+            return
+        raise NotImplementedError(
+            f"ExtensibleLayer.batch_repeat_interleave: the cache is reserved for a batch of "
+            f"{self._batch} and cannot grow it {repeats}x; give generate() an empty "
+            f"ExtensibleCache (it reserves for the expanded batch)"
+        )
+
+    def offload(self) -> None:
+        raise NotImplementedError(
+            "ExtensibleLayer.offload: use ExtensibleCache.release_physical(preserve=True), "
+            "which keeps the addresses"
+        )
+
+    def prefetch(self) -> None:
+        raise NotImplementedError("ExtensibleLayer.prefetch: use ExtensibleCache.recommit()")
+
+
+class ExtensibleCache(Cache):
+    """A transformers cache whose layers keep their addresses and commit
+    memory as tokens arrive.
+
+    Args:
+        max_cache_len: tokens each layer reserves address space for (the
+            prompt and every new token must fit).
+        config: the model's config; when given, one layer per hidden layer
+            is made up front, else layers are made as the model reaches them.
+        driver: the driver to use, e.g. wrapped in an adaptor (default: the
+            one serving the device of the first keys).
+        chunk_bytes: largest physical chunk one commit maps.
+
+    The cache owns its memory: :meth:`free` returns it (and the address
+    ranges once no view is left); :meth:`release_physical` and
+    :meth:`recommit` put it to sleep and wake it between turns.
+    """
+
+    def __init__(
+        self,
+        max_cache_len: int,
+        config: Any = None,
+        *,
+        driver: Driver | None = None,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        check_int("max_cache_len", max_cache_len)
+        if max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
+        self.max_cache_len = max_cache_len
+        self._lockstep = _Lockstep(max_cache_len)
+        self._driver = driver
+        self._chunk_bytes = chunk_bytes
+        if config is None:
+            # Cache calls it with no argument to make each layer it reaches.
+            replicate: Any = self._new_layer
+            super().__init__(layer_class_to_replicate=replicate)
+        else:
+            text = config.get_text_config(decoder=True)
+            layers: list[Any] = [self._new_layer() for _ in range(text.num_hidden_layers)]
+            super().__init__(layers=layers)
+
+    def _new_layer(self) -> ExtensibleLayer:
+        return ExtensibleLayer(
+            self.max_cache_len, self._lockstep, driver=self._driver, chunk_bytes=self._chunk_bytes
+        )
+
+    @property
+    def buffers(self) -> KVCacheBuffers:
+        """Every layer's buffers, committed in lockstep by tokens."""
+        return self._lockstep.buffers
+
+    @property
+    def physical_bytes(self) -> int:
+        """Physical memory held, in bytes (whole granules)."""
+        return self.buffers.physical_bytes
+
+    def reset(self) -> None:
+        """Forget every token and give their memory back; addresses stay."""
+        super().reset()
+        if not self.buffers.released:
+            self.buffers.trim(0)
+
+    def release_physical(self, preserve: bool = False) -> None:
+        """Sleep between turns: give the memory back, keeping addresses.
+
+        With ``preserve`` the tokens are copied to host memory first and
+        :meth:`recommit` restores them (an update before it wakes the cache
+        too). Without, the cache forgets its tokens, as :meth:`reset`: the
+        next ``generate`` prefills the conversation again.
+        """
+        if preserve:
+            self.buffers.release_physical(preserve=True)
+        else:
+            self.reset()
+
+    def recommit(self) -> None:
+        """Wake after a preserving :meth:`release_physical`; else nothing."""
+        self.buffers.recommit()
+
+    def free(self) -> None:
+        """Return the memory now and the address ranges once no view is left."""
+        self.buffers.free()

@@ -1,0 +1,243 @@
+"""ExtensibleCache inside Hugging Face transformers: greedy, padded, beam and
+assisted generation give DynamicCache's tokens; addresses never move; memory
+follows the sequence; a chat can sleep between turns."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from extensible_kv import granule_size  # noqa: E402
+from extensible_kv.integrations.transformers import ExtensibleCache  # noqa: E402
+
+VOCAB = 96
+SMALL = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 2048,
+}
+ARCHITECTURES: dict[str, Callable[[], Any]] = {
+    "llama-mha": lambda: LlamaForCausalLM(LlamaConfig(**SMALL, num_key_value_heads=4)),
+    "qwen3-gqa": lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8)),
+    "mistral-gqa": lambda: MistralForCausalLM(
+        MistralConfig(**SMALL, num_key_value_heads=1, sliding_window=None)
+    ),
+}
+
+
+def model_of(name: str) -> Any:
+    torch.manual_seed(0)
+    return ARCHITECTURES[name]().eval()
+
+
+def prompts(batch: int, length: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts, left-padded: row ``i`` has ``i`` padding tokens."""
+    ids = torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        mask[row, :row] = 0
+        ids[row, :row] = 0
+    return ids, mask
+
+
+def generate(model: Any, cache: Any, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> Any:
+    with warnings.catch_warnings():
+        # transformers 5.2x renames past_key_values to cache; both work.
+        warnings.simplefilter("ignore", FutureWarning)
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_tokens_are_dynamic_caches(name: str, batch: int) -> None:
+    model = model_of(name)
+    ids, mask = prompts(batch)
+    expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=40)
+    cache = ExtensibleCache(max_cache_len=64, config=model.config)
+    assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=40), expected)
+    assert cache.get_seq_length() == ids.shape[1] + 40 - 1
+    cache.free()
+
+
+class Watch(LogitsProcessor):  # type: ignore[misc]
+    """Looks at the cache after every step of generate."""
+
+    def __init__(self, cache: ExtensibleCache, look: Callable[[ExtensibleCache], None]) -> None:
+        self.cache = cache
+        self.look = look
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.look(self.cache)
+        return scores
+
+
+def test_a_thousand_tokens_at_fixed_addresses_with_the_memory_of_the_sequence() -> None:
+    # Rows of 1 KiB a token per tensor, and room for 8x the sequence: a
+    # cache that committed ahead of the tokens would show.
+    torch.manual_seed(0)
+    config = Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=64)
+    model = Qwen3ForCausalLM(config).eval()
+    ids, mask = prompts(2)
+    new = 1000
+    expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=new)
+    cache = ExtensibleCache(max_cache_len=8 * (ids.shape[1] + new), config=model.config)
+    assert cache.physical_bytes == 0, "before the first token: reservations only"
+    text = model.config
+    token_bytes = 2 * text.num_key_value_heads * text.head_dim * 4  # batch 2, float32
+    granule = granule_size("cpu")
+    addresses: set[tuple[int, ...]] = set()
+    steps = 0
+
+    def look(cache: ExtensibleCache) -> None:
+        nonlocal steps
+        steps += 1
+        addresses.add(tuple(p for layer in cache.layers for p in pointers(layer)))
+        dynamic = 2 * len(cache.layers) * cache.get_seq_length() * token_bytes
+        # DynamicCache's bytes, plus at most one granule per tensor (K, V) per layer.
+        assert cache.physical_bytes <= dynamic + 2 * len(cache.layers) * granule
+        for layer in cache.layers:  # kernels see committed positions only
+            assert layer.keys.shape[-2] == layer.get_seq_length()
+
+    out = generate(
+        model,
+        cache,
+        ids,
+        mask,
+        max_new_tokens=new,
+        logits_processor=LogitsProcessorList([Watch(cache, look)]),
+    )
+    assert torch.equal(out, expected)
+    assert steps == new
+    assert len(addresses) == 1, "keys and values never moved"
+    cache.free()
+
+
+def pointers(layer: Any) -> tuple[int, int]:
+    return layer.keys.data_ptr(), layer.values.data_ptr()
+
+
+def test_beam_search_reorders_in_place() -> None:
+    model = model_of("llama-mha")
+    ids, mask = prompts(2)
+    expected = generate(
+        model, DynamicCache(config=model.config), ids, mask, max_new_tokens=12, num_beams=3
+    )
+    cache = ExtensibleCache(max_cache_len=32, config=model.config)
+    out = generate(model, cache, ids, mask, max_new_tokens=12, num_beams=3)
+    assert torch.equal(out, expected)
+    cache.free()
+
+
+def test_assisted_decoding_crops() -> None:
+    model = model_of("llama-mha")
+    torch.manual_seed(5)
+    assistant = LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_hidden_layers": 1})).eval()
+    ids, mask = prompts(1)
+    expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=24)
+    cache = ExtensibleCache(max_cache_len=64, config=model.config)
+    cropped: list[int] = []
+    crop = cache.crop
+
+    def recording_crop(tokens_to_remove: int) -> None:
+        cropped.append(tokens_to_remove)
+        crop(tokens_to_remove)
+
+    cache.crop = recording_crop  # type: ignore[method-assign]
+    out = generate(model, cache, ids, mask, max_new_tokens=24, assistant_model=assistant)
+    assert torch.equal(out, expected), "assisted greedy decoding is greedy decoding"
+    assert any(n < 0 for n in cropped), "the assistant's rejected tokens were cropped"
+    cache.free()
+
+
+def test_reset_gives_memory_back_and_the_cache_serves_again() -> None:
+    model = model_of("mistral-gqa")
+    ids, mask = prompts(1)
+    cache = ExtensibleCache(max_cache_len=64, config=model.config)
+    first = generate(model, cache, ids, mask, max_new_tokens=20)
+    pointers_before = [pointers(layer) for layer in cache.layers]
+    cache.reset()
+    assert cache.physical_bytes == 0
+    assert cache.get_seq_length() == 0
+    assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=20), first)
+    assert [pointers(layer) for layer in cache.layers] == pointers_before
+    cache.free()
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_a_chat_sleeps_between_turns(preserve: bool) -> None:
+    model = model_of("qwen3-gqa")
+    ids, mask = prompts(1)
+    follow_up = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
+
+    def chat(cache: ExtensibleCache, sleep: bool) -> torch.Tensor:
+        turn1 = generate(model, cache, ids, mask, max_new_tokens=15)
+        if sleep:
+            cache.release_physical(preserve=preserve)
+            assert cache.physical_bytes == 0
+            cache.recommit()
+        turn2_ids = torch.cat([turn1, follow_up], dim=1)
+        return generate(model, cache, turn2_ids, torch.ones_like(turn2_ids), max_new_tokens=15)
+
+    awake = ExtensibleCache(max_cache_len=128, config=model.config)
+    expected = chat(awake, sleep=False)
+    slept = ExtensibleCache(max_cache_len=128, config=model.config)
+    assert torch.equal(chat(slept, sleep=True), expected)
+    awake.free()
+    slept.free()
+
+
+def test_what_it_cannot_do_is_named() -> None:
+    model = model_of("llama-mha")
+    ids, mask = prompts(1)
+    cache = ExtensibleCache(max_cache_len=12, config=model.config)
+    with pytest.raises(ValueError, match="max_cache_len=12"):
+        generate(model, cache, ids, mask, max_new_tokens=10)
+    layer = cache.layers[0]
+    with pytest.raises(NotImplementedError, match="batch_repeat_interleave"):
+        layer.batch_repeat_interleave(2)
+    with pytest.raises(NotImplementedError, match="offload"):
+        layer.offload()
+    with pytest.raises(ValueError, match="positive value"):
+        cache.crop(3)
+    with pytest.raises(ValueError, match="max_cache_len must be positive"):
+        ExtensibleCache(max_cache_len=0)
+    cache.free()
+
+
+def test_layers_made_as_the_model_reaches_them() -> None:
+    model = model_of("llama-mha")
+    ids, mask = prompts(2)
+    expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=10)
+    cache = ExtensibleCache(max_cache_len=32)
+    assert len(cache.layers) == 0
+    assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=10), expected)
+    assert len(cache.layers) == model.config.num_hidden_layers
+    cache.free()
