@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -29,3 +31,17 @@ def test_grow_sleep_wake_runs_and_checks_itself(real_device: str) -> None:
     assert "grow 4" in result.stdout
     assert "sleep" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("ok: base pointer")
+
+
+def test_transformers_generate_runs_and_checks_itself() -> None:
+    pytest.importorskip("transformers")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "transformers_generate.py"), "--new-tokens", "30"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "before the first token: 0 bytes" in result.stdout
+    assert "asleep: 0 bytes" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("ok: DynamicCache's tokens")
