@@ -255,7 +255,6 @@ class ExtensibleCache(Cache):
         check_int("max_cache_len", max_cache_len)
         if max_cache_len < 1:
             raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
-        self.max_cache_len = max_cache_len
         self._lockstep = _Lockstep(max_cache_len)
         self._driver = driver
         self._chunk_bytes = chunk_bytes
@@ -272,6 +271,11 @@ class ExtensibleCache(Cache):
         return ExtensibleLayer(
             self.max_cache_len, self._lockstep, driver=self._driver, chunk_bytes=self._chunk_bytes
         )
+
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens each layer can hold."""
+        return self._lockstep.buffers.num_blocks_capacity
 
     @property
     def buffers(self) -> KVCacheBuffers:
