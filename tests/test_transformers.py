@@ -241,3 +241,21 @@ def test_layers_made_as_the_model_reaches_them() -> None:
     assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=10), expected)
     assert len(cache.layers) == model.config.num_hidden_layers
     cache.free()
+
+
+def test_early_initialization_reserves_and_commits_nothing() -> None:
+    """As for export: the layers reserve before the first forward, and the
+    generation then runs at those addresses."""
+    model = model_of("qwen3-gqa")
+    ids, mask = prompts(2)
+    expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=10)
+    cache = ExtensibleCache(max_cache_len=32, config=model.config)
+    config = model.config
+    cache.early_initialization(2, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
+    assert cache.physical_bytes == 0
+    reserved = [buffer.base_ptr for buffer, _ in cache.buffers.buffers]
+    assert len(reserved) == 2 * config.num_hidden_layers
+    assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=10), expected)
+    assert [buffer.base_ptr for buffer, _ in cache.buffers.buffers] == reserved
+    assert [layer.keys.data_ptr() for layer in cache.layers] == reserved[::2]
+    cache.free()

@@ -267,9 +267,7 @@ class KVCacheBuffers:
                 f"{self.num_blocks_capacity} blocks"
             )
         if defragment:
-            if num_blocks != self._committed or not all(
-                in_one_chunk_per_segment(buffer) for buffer, _ in self.buffers
-            ):
+            if not self._holds_exactly(num_blocks):
                 self._check_unregistered("a defragmenting commit")
         elif num_blocks > self._committed:
             self._check_unregistered(f"growing to {num_blocks} blocks")
@@ -308,9 +306,7 @@ class KVCacheBuffers:
     def _remap(self, num_blocks: int) -> None:
         """Hold exactly ``num_blocks`` blocks, one chunk per segment, zeroed
         (unless already so); all or nothing."""
-        if num_blocks == self._committed and all(
-            in_one_chunk_per_segment(buffer) for buffer, _ in self.buffers
-        ):
+        if self._holds_exactly(num_blocks):
             return
         sizes = [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
         try:
@@ -318,6 +314,12 @@ class KVCacheBuffers:
         finally:
             if all(buffer.bytes_per_segment == size for buffer, size in sizes):
                 self._committed = num_blocks
+
+    def _holds_exactly(self, num_blocks: int) -> bool:
+        """True when a defragmenting commit of ``num_blocks`` has nothing to do."""
+        return num_blocks == self._committed and all(
+            in_one_chunk_per_segment(buffer) for buffer, _ in self.buffers
+        )
 
     def _grow(self, num_blocks: int, zero_new: bool = True) -> None:
         resize_per_segment_all(
