@@ -259,3 +259,17 @@ def test_early_initialization_reserves_and_commits_nothing() -> None:
     assert [buffer.base_ptr for buffer, _ in cache.buffers.buffers] == reserved
     assert [layer.keys.data_ptr() for layer in cache.layers] == reserved[::2]
     cache.free()
+
+
+def test_sliding_window_layers_keep_every_token_and_the_same_tokens() -> None:
+    """A sliding-window model's mask limits what attention sees; the cache
+    keeps every token (the memory of a full layer)."""
+    torch.manual_seed(0)
+    config = MistralConfig(**SMALL, num_key_value_heads=1, sliding_window=8)
+    model = MistralForCausalLM(config).eval()
+    ids, mask = prompts(1, length=12)
+    expected = generate(model, DynamicCache(config=config), ids, mask, max_new_tokens=30)
+    cache = ExtensibleCache(max_cache_len=64, config=config)
+    assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=30), expected)
+    assert cache.layers[0].keys.shape[-2] == 12 + 30 - 1
+    cache.free()
