@@ -507,3 +507,22 @@ class KVMachine(RuleBasedStateMachine):
 def test_kv_state_machine(device: str, driver: Driver) -> None:
     machine = type("KVMachineOn", (KVMachine,), {"device": device, "driver": driver})
     run_state_machine_as_test(machine)
+
+
+def test_add_all_joins_every_buffer_or_none(stats: StatisticsDriver, device: str) -> None:
+    faulty = FaultInjectingDriver(stats)
+    cache = make_cache(device, faulty)
+    cache.commit(10)
+    before = len(cache.buffers)
+    extra = [(ExtensibleTensor(CAPACITY * 4096, device, driver=faulty), 4096) for _ in range(2)]
+    faulty.fail_at("create", nth=2)  # the second buffer's commit
+    with pytest.raises(Exception, match="injected"):
+        cache.add_all(extra)
+    assert len(cache.buffers) == before
+    assert all(buffer.physical_bytes == 0 for buffer, _ in extra)
+    with pytest.raises(ValueError, match="given twice"):
+        cache.add_all([extra[0], extra[0]])
+    cache.add_all(extra)
+    assert [b.bytes_per_segment for b, _ in extra] == [10 * 4096, 10 * 4096]
+    cache.free()
+    assert stats.live.handles == 0

@@ -25,7 +25,12 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from extensible_kv import granule_size  # noqa: E402
+from extensible_kv import (  # noqa: E402
+    FaultInjectingDriver,
+    StatisticsDriver,
+    get_driver,
+    granule_size,
+)
 from extensible_kv.integrations.transformers import ExtensibleCache  # noqa: E402
 
 VOCAB = 96
@@ -272,4 +277,19 @@ def test_sliding_window_layers_keep_every_token_and_the_same_tokens() -> None:
     cache = ExtensibleCache(max_cache_len=64, config=config)
     assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=30), expected)
     assert cache.layers[0].keys.shape[-2] == 12 + 30 - 1
+    cache.free()
+
+
+def test_a_layer_that_cannot_reserve_leaves_nothing_behind() -> None:
+    """Keys reserved, values refused: the keys' reservation goes too."""
+    model = model_of("llama-mha")
+    ids, mask = prompts(1)
+    stats = StatisticsDriver(get_driver("cpu"))
+    faulty = FaultInjectingDriver(stats)
+    cache = ExtensibleCache(max_cache_len=32, config=model.config, driver=faulty)
+    faulty.fail_at("reserve", nth=2)
+    with pytest.raises(Exception, match="injected"):
+        generate(model, cache, ids, mask, max_new_tokens=4)
+    assert len(cache.buffers.buffers) == 0
+    assert stats.live.reservations == 0
     cache.free()

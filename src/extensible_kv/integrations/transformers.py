@@ -98,24 +98,46 @@ class ExtensibleLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Reserve both tensors for ``max_cache_len`` tokens of this batch;
         nothing is committed until tokens arrive."""
+        made: list[tuple[ExtensibleTensor, int]] = []
+        try:
+            for states in (key_states, value_states):
+                made.append(self._reserve(states))
+            # Both join the lockstep, or neither (a layer made mid-generation
+            # is committed to the tokens already there).
+            self._lockstep.buffers.add_all(made)
+        except BaseException:
+            for buffer, _ in made:
+                buffer.free()
+            raise
         self.device = key_states.device
         self._batch = self.batch_size = key_states.shape[0]
-        self._full = self._reserve(key_states), self._reserve(value_states)
+        keys, values = (
+            self._positions_inner(buffer, states)
+            for (buffer, _), states in zip(made, (key_states, value_states), strict=True)
+        )
+        self._full = keys, values
         self.is_initialized = True
         self._narrow()
 
-    def _reserve(self, states: torch.Tensor) -> torch.Tensor:
+    def _reserve(self, states: torch.Tensor) -> tuple[ExtensibleTensor, int]:
+        """A buffer for ``max_cache_len`` tokens of ``states``, and its bytes per token."""
         batch, heads, _, dim = states.shape
-        row = batch * heads * dim * states.element_size()  # one token, bytes
+        row = batch * heads * dim * states.element_size()
         buffer = ExtensibleTensor(
             self.max_cache_len * row,
             states.device,
             driver=self._driver,
             chunk_bytes=self._chunk_bytes,
         )
-        self._lockstep.buffers.add(buffer, row)
-        # Positions outermost in memory, so committed tokens are a prefix;
-        # transformers sees [batch, heads, positions, dim].
+        return buffer, row
+
+    def _positions_inner(self, buffer: ExtensibleTensor, states: torch.Tensor) -> torch.Tensor:
+        """The buffer as transformers' ``[batch, heads, positions, dim]``.
+
+        Positions are outermost in memory, so the committed tokens are a
+        prefix of the buffer and grow it in place.
+        """
+        batch, heads, _, dim = states.shape
         full = buffer.full_view().view(states.dtype)
         return full.view(self.max_cache_len, batch, heads, dim).permute(1, 2, 0, 3)
 

@@ -229,11 +229,25 @@ class KVCacheBuffers:
     def add(self, buffer: ExtensibleTensor, bytes_per_block_per_segment: int) -> None:
         """Take one more buffer (e.g. a draft model's KV) into the lockstep;
         it is committed to the current block count, zeroed."""
+        self._add([(buffer, bytes_per_block_per_segment)])
+
+    @_serialized
+    def add_all(self, items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
+        """:meth:`add` for several buffers, all or none: if committing one
+        fails, none joins and none keeps memory."""
+        self._add(items)
+
+    def _add(self, items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
         self._check_awake("add()")
         self._check_unregistered("add()")
-        self._check_buffer(buffer, bytes_per_block_per_segment)
-        buffer.resize_per_segment_(self._committed * bytes_per_block_per_segment, zero_new=True)
-        self.buffers.append((buffer, bytes_per_block_per_segment))
+        for index, (buffer, per_block) in enumerate(items):
+            if any(buffer is other for other, _ in items[:index]):
+                raise ValueError(f"{buffer!r} is given twice; each buffer joins once")
+            self._check_buffer(buffer, per_block)
+        resize_per_segment_all(
+            [(buffer, self._committed * per_block) for buffer, per_block in items], zero_new=True
+        )
+        self.buffers.extend(items)
 
     @_serialized
     def commit(self, num_blocks: int, defragment: bool = False) -> None:
