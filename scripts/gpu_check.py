@@ -431,10 +431,7 @@ def tests(check: Check, dry_run: bool) -> Step:
     them; the lent minutes go to cuda); the dry run runs them instead, less
     tests/test_demo.py (minutes on 2 cores). The JUnit XML goes to <out>/pytest.xml."""
     junit = check.out / "pytest.xml"
-    # On a GPU, the host cases and the transformers tests (CPU models) are CI's.
-    selection = (
-        f"{SELECTION} and not demo" if dry_run else f"{SELECTION} and not cpu and not transformers"
-    )
+    selection = f"{SELECTION} and not demo" if dry_run else f"{SELECTION} and not cpu"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
     cmd += [f"--junitxml={junit}", "-k", selection, "tests"]
     step = check.run("tests", cmd, LIMITS["tests"])

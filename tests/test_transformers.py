@@ -51,19 +51,19 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
 }
 
 
-def model_of(name: str) -> Any:
+def model_of(name: str, device: str = "cpu") -> Any:
     torch.manual_seed(0)
-    return ARCHITECTURES[name]().eval()
+    return ARCHITECTURES[name]().to(device).eval()
 
 
-def prompts(batch: int, length: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+def prompts(batch: int, length: int = 9, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Random prompts, left-padded: row ``i`` has ``i`` padding tokens."""
     ids = torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     for row in range(batch):
         mask[row, :row] = 0
         ids[row, :row] = 0
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def generate(model: Any, cache: Any, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> Any:
@@ -82,9 +82,9 @@ def generate(model: Any, cache: Any, ids: torch.Tensor, mask: torch.Tensor, **kw
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 @pytest.mark.parametrize("batch", [1, 3])
-def test_greedy_tokens_are_dynamic_caches(name: str, batch: int) -> None:
-    model = model_of(name)
-    ids, mask = prompts(batch)
+def test_greedy_tokens_are_dynamic_caches(name: str, batch: int, real_device: str) -> None:
+    model = model_of(name, real_device)
+    ids, mask = prompts(batch, device=real_device)
     expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=40)
     cache = ExtensibleCache(max_cache_len=64, config=model.config)
     assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=40), expected)
@@ -104,20 +104,22 @@ class Watch(LogitsProcessor):  # type: ignore[misc]
         return scores
 
 
-def test_a_thousand_tokens_at_fixed_addresses_with_the_memory_of_the_sequence() -> None:
+def test_a_thousand_tokens_at_fixed_addresses_with_the_memory_of_the_sequence(
+    real_device: str,
+) -> None:
     # Rows of 1 KiB a token per tensor, and room for 8x the sequence: a
     # cache that committed ahead of the tokens would show.
     torch.manual_seed(0)
     config = Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=64)
-    model = Qwen3ForCausalLM(config).eval()
-    ids, mask = prompts(2)
+    model = Qwen3ForCausalLM(config).to(real_device).eval()
+    ids, mask = prompts(2, device=real_device)
     new = 1000
     expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=new)
     cache = ExtensibleCache(max_cache_len=8 * (ids.shape[1] + new), config=model.config)
     assert cache.physical_bytes == 0, "before the first token: reservations only"
     text = model.config
     token_bytes = 2 * text.num_key_value_heads * text.head_dim * 4  # batch 2, float32
-    granule = granule_size("cpu")
+    granule = granule_size(real_device)
     addresses: set[tuple[int, ...]] = set()
     steps = 0
 
@@ -149,9 +151,9 @@ def pointers(layer: Any) -> tuple[int, int]:
     return layer.keys.data_ptr(), layer.values.data_ptr()
 
 
-def test_beam_search_reorders_in_place() -> None:
-    model = model_of("llama-mha")
-    ids, mask = prompts(2)
+def test_beam_search_reorders_in_place(real_device: str) -> None:
+    model = model_of("llama-mha", real_device)
+    ids, mask = prompts(2, device=real_device)
     expected = generate(
         model, DynamicCache(config=model.config), ids, mask, max_new_tokens=12, num_beams=3
     )
@@ -161,11 +163,12 @@ def test_beam_search_reorders_in_place() -> None:
     cache.free()
 
 
-def test_assisted_decoding_crops() -> None:
-    model = model_of("llama-mha")
+def test_assisted_decoding_crops(real_device: str) -> None:
+    model = model_of("llama-mha", real_device)
     torch.manual_seed(5)
-    assistant = LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_hidden_layers": 1})).eval()
-    ids, mask = prompts(1)
+    assistant = LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_hidden_layers": 1}))
+    assistant = assistant.to(real_device).eval()
+    ids, mask = prompts(1, device=real_device)
     expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=24)
     cache = ExtensibleCache(max_cache_len=64, config=model.config)
     cropped: list[int] = []
@@ -182,9 +185,9 @@ def test_assisted_decoding_crops() -> None:
     cache.free()
 
 
-def test_reset_gives_memory_back_and_the_cache_serves_again() -> None:
-    model = model_of("mistral-gqa")
-    ids, mask = prompts(1)
+def test_reset_gives_memory_back_and_the_cache_serves_again(real_device: str) -> None:
+    model = model_of("mistral-gqa", real_device)
+    ids, mask = prompts(1, device=real_device)
     cache = ExtensibleCache(max_cache_len=64, config=model.config)
     first = generate(model, cache, ids, mask, max_new_tokens=20)
     pointers_before = [pointers(layer) for layer in cache.layers]
@@ -197,10 +200,11 @@ def test_reset_gives_memory_back_and_the_cache_serves_again() -> None:
 
 
 @pytest.mark.parametrize("preserve", [True, False])
-def test_a_chat_sleeps_between_turns(preserve: bool) -> None:
-    model = model_of("qwen3-gqa")
-    ids, mask = prompts(1)
+def test_a_chat_sleeps_between_turns(preserve: bool, real_device: str) -> None:
+    model = model_of("qwen3-gqa", real_device)
+    ids, mask = prompts(1, device=real_device)
     follow_up = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
+    follow_up = follow_up.to(real_device)
 
     def chat(cache: ExtensibleCache, sleep: bool) -> torch.Tensor:
         turn1 = generate(model, cache, ids, mask, max_new_tokens=15)
@@ -248,15 +252,16 @@ def test_layers_made_as_the_model_reaches_them() -> None:
     cache.free()
 
 
-def test_early_initialization_reserves_and_commits_nothing() -> None:
+def test_early_initialization_reserves_and_commits_nothing(real_device: str) -> None:
     """As for export: the layers reserve before the first forward, and the
     generation then runs at those addresses."""
-    model = model_of("qwen3-gqa")
-    ids, mask = prompts(2)
+    model = model_of("qwen3-gqa", real_device)
+    ids, mask = prompts(2, device=real_device)
     expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=10)
     cache = ExtensibleCache(max_cache_len=32, config=model.config)
     config = model.config
-    cache.early_initialization(2, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
+    heads, dim = config.num_key_value_heads, config.head_dim
+    cache.early_initialization(2, heads, dim, torch.float32, torch.device(real_device))
     assert cache.physical_bytes == 0
     reserved = [buffer.base_ptr for buffer, _ in cache.buffers.buffers]
     assert len(reserved) == 2 * config.num_hidden_layers
