@@ -298,3 +298,23 @@ def test_a_layer_that_cannot_reserve_leaves_nothing_behind() -> None:
     assert len(cache.buffers.buffers) == 0
     assert stats.live.reservations == 0
     cache.free()
+
+
+def test_batch_select_keeps_the_rows_in_place() -> None:
+    """Cache.batch_select_indices (no generate path of 5.2x calls it, code
+    that filters a batch does): the kept rows move to the front, in place,
+    and later tokens go to the kept rows."""
+    cache = ExtensibleCache(max_cache_len=16)
+    keys = torch.arange(3 * 2 * 4 * 8, dtype=torch.float32).view(3, 2, 4, 8)
+    cache.update(keys, -keys, 0)
+    base = cache.layers[0].keys.data_ptr()
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys, keys[[2, 0]])
+    assert torch.equal(layer.values, -keys[[2, 0]])
+    assert layer.keys.data_ptr() == base
+    more = torch.ones(2, 2, 1, 8)
+    out_keys, _ = cache.update(more, more, 0)
+    assert out_keys.shape == (2, 2, 5, 8)
+    assert torch.equal(out_keys[:, :, 4], more[:, :, 0])
+    cache.free()
