@@ -244,6 +244,11 @@ class VirtualBuffer:
                 needed.add(start, round_up(offset + size, self.granularity))
         return needed
 
+    def granules_covering(self, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The merged runs of granules covering ``ranges`` (``(offset, size)``
+        pairs), as ``(start, end)`` byte offsets; validates, changes nothing."""
+        return list(self._widened(ranges))
+
     def _plan(self, ranges: Iterable[tuple[int, int]], whole_runs: bool) -> list[list[_Span]]:
         """The chunks a commit of ``ranges`` maps: per run of unmapped granules,
         its chunks as ``(offset, size)``. Validates; changes nothing."""

@@ -723,24 +723,8 @@ def in_one_chunk_per_segment(tensor: ExtensibleTensor) -> bool:
     """True when each segment's committed prefix is mapped by one chunk of
     exactly its granules (what :func:`remap_per_segment_all` makes)."""
     chunks = {(c.offset, c.end) for c in tensor._buffer.chunks}
-    runs = _granule_runs(tensor, tensor._segment_ranges(0, tensor._bytes_per_segment))
+    runs = tensor._buffer.granules_covering(tensor._segment_ranges(0, tensor._bytes_per_segment))
     return all((start, end) in chunks for start, end in runs) and len(chunks) == len(runs)
-
-
-def _granule_runs(tensor: ExtensibleTensor, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The merged runs of granules covering ``ranges``, as ``(start, end)``."""
-    granularity = tensor._buffer.granularity
-    runs: list[tuple[int, int]] = []
-    for offset, size in ranges:
-        if not size:
-            continue
-        start = offset - offset % granularity
-        end = -(-(offset + size) // granularity) * granularity
-        if runs and runs[-1][1] >= start:
-            runs[-1] = (runs[-1][0], max(end, runs[-1][1]))
-        else:
-            runs.append((start, end))
-    return runs
 
 
 def _remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
@@ -755,7 +739,7 @@ def _remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
         # are in place; an early one restores the old layout. Tell them apart
         # by what is mapped.
         done = all(
-            _granule_runs(t, r) == [(o, o + n) for o, n in t._buffer.mapped_runs]
+            t._buffer.granules_covering(r) == [(o, o + n) for o, n in t._buffer.mapped_runs]
             for t, r in zip(tensors, new, strict=True)
         )
         for (tensor, size), ranges, before, layout in zip(items, new, old, layouts, strict=True):
