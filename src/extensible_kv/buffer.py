@@ -94,6 +94,9 @@ class VirtualBuffer:
         shareable: create memory that can be exported as file descriptors.
         chunk_bytes: largest chunk mapped by a commit, a granule multiple;
             None maps each run of new granules as one chunk.
+        zero_backed: every byte no chunk covers reads as zero from the
+            device and faults on write (``Driver.reserve_zeroed``), instead
+            of faulting on any access.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class VirtualBuffer:
         *,
         shareable: bool = False,
         chunk_bytes: int | None = None,
+        zero_backed: bool = False,
     ) -> None:
         check_bytes("size", size)
         granularity = driver.granularity(device, shareable)
@@ -119,12 +123,16 @@ class VirtualBuffer:
         self.shareable = shareable
         self.granularity = granularity
         self.chunk_bytes = chunk_bytes
+        self.zero_backed = zero_backed
         self.size = round_up(max(size, 1), granularity)
         # Aligned to the granularity of what will be mapped here: shareable
         # and RDMA-capable memory may have a coarser one than the driver's
         # default alignment.
         with driver.context(device):
-            self.base_ptr = driver.reserve(self.size, granularity)
+            if zero_backed:
+                self.base_ptr = driver.reserve_zeroed(self.size, granularity, device)
+            else:
+                self.base_ptr = driver.reserve(self.size, granularity)
         self._lock = threading.RLock()
         self._chunks: list[Chunk] = []
         self._chunk_offsets: list[int] = []

@@ -132,7 +132,8 @@ class ExtensibleTensor:
     segment_capacity_bytes)`` of :meth:`full_view`, and its committed bytes
     are always a prefix of it (``bytes_per_segment`` of them). A K/V-split
     KV cache has 2 segments. Committed bytes are backed by physical memory;
-    the rest of the range is reserved addresses only: touching it faults.
+    the rest of the range is reserved addresses only: touching it faults,
+    or, with ``zero_backed``, reading it gives zeros and writing faults.
 
     Args:
         max_num_bytes: size of the full view in bytes; divisible by ``num_segments``.
@@ -145,6 +146,9 @@ class ExtensibleTensor:
             shared driver for ``device``.
         chunk_bytes: largest physical chunk one commit maps; a multiple of the
             granularity. None: one chunk per run of new granules.
+        zero_backed: let kernels read the uncommitted bytes as zeros (a
+            decode step captured once attends over the full length, masked),
+            at the cost of at most one granule per device for all such buffers.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class ExtensibleTensor:
         *,
         driver: Driver | None = None,
         chunk_bytes: int | None = None,
+        zero_backed: bool = False,
     ) -> None:
         check_bytes("max_num_bytes", max_num_bytes)
         check_int("num_segments", num_segments)
@@ -176,6 +181,7 @@ class ExtensibleTensor:
             self._device.index or 0,
             shareable=shareable,
             chunk_bytes=chunk_bytes,
+            zero_backed=zero_backed,
         )
         self._bytes_per_segment = 0
         self._full: torch.Tensor | None = None

@@ -253,13 +253,31 @@ class SimCuda(_Bindings):
             self.current_device()
             if count != len(descs):
                 raise SimError(Code.INVALID_VALUE, "count differs from the descriptors")
-            readwrite = self._real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            flags = self._real.CUmemAccess_flags
+            kinds = (flags.CU_MEM_ACCESS_FLAGS_PROT_READ, flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             device_kind = self._real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            if any(d.flags != readwrite or d.location.type != device_kind for d in descs):
-                raise SimError(Code.INVALID_VALUE, "only device read-write access is simulated")
-            self.machine.set_access(int(ptr), size, [int(d.location.id) for d in descs])
+            if any(d.flags not in kinds or d.location.type != device_kind for d in descs):
+                raise SimError(Code.INVALID_VALUE, "only device read or read-write access")
+            if len({d.flags for d in descs}) > 1:
+                raise SimError(Code.INVALID_VALUE, "one kind of access per call is simulated")
+            read_only = descs[0].flags == flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+            devices = [int(d.location.id) for d in descs]
+            self.machine.set_access(int(ptr), size, devices, read_only=read_only)
 
         return self._call("cuMemSetAccess", (ptr, size, descs, count), body, 0)
+
+    def cuMemRetainAllocationHandle(self, addr: Any) -> Any:
+        def body() -> Any:
+            self.current_device()
+            return self._real.CUmemGenericAllocationHandle(self.machine.retain(int(addr)))
+
+        return self._call("cuMemRetainAllocationHandle", (addr,), body, 1)
+
+    def cuMemsetD8(self, ptr: Any, value: int, size: int) -> Any:
+        def body() -> None:
+            self.machine.memset(int(ptr), value, size, self.current_device())
+
+        return self._call("cuMemsetD8", (ptr, value, size), body, 0)
 
     def cuMemExportToShareableHandle(self, handle: Any, kind: Any, flags: int) -> Any:
         def body() -> int:
@@ -316,6 +334,7 @@ class SimHip(_Bindings):
     PINNED = 1
     DEVICE = 1
     POSIX_FD = 1
+    READ = 1
     READWRITE = 3
 
     def __init__(self, real: Any, machine: SimMachine, version: int = 70_100_000) -> None:
@@ -434,11 +453,26 @@ class SimHip(_Bindings):
         def body() -> None:
             if isinstance(desc, list) or count != 1:
                 raise SimError(Code.INVALID_VALUE, "one descriptor (a pointer), count 1")
-            if int(desc.flags) != self.READWRITE or int(desc.location.type) != self.DEVICE:
-                raise SimError(Code.INVALID_VALUE, "only device read-write access is simulated")
-            self.machine.set_access(ptr, size, [int(desc.location.id)])
+            flags = int(desc.flags)
+            if flags not in (self.READ, self.READWRITE) or int(desc.location.type) != self.DEVICE:
+                raise SimError(Code.INVALID_VALUE, "only device read or read-write access")
+            read_only = flags == self.READ
+            self.machine.set_access(ptr, size, [int(desc.location.id)], read_only=read_only)
 
         return self._call("hipMemSetAccess", (ptr, size, desc, count), body, 0)
+
+    def hipMemRetainAllocationHandle(self, addr: int) -> Any:
+        def body() -> Any:
+            handle = self.machine.retain(int(addr))
+            return self._real.ihipMemGenericAllocationHandle.fromObj(handle)
+
+        return self._call("hipMemRetainAllocationHandle", (addr,), body, 1)
+
+    def hipMemset(self, ptr: int, value: int, size: int) -> Any:
+        def body() -> None:
+            self.machine.memset(int(ptr), value, size, self.current_device())
+
+        return self._call("hipMemset", (ptr, value, size), body, 0)
 
     def hipMemExportToShareableHandle(self, out: int, handle: Any, kind: Any, flags: int) -> Any:
         def body() -> None:

@@ -91,6 +91,7 @@ class Mapping:
     size: int
     allocation: Allocation
     access: set[int] = field(default_factory=set)
+    read_only: bool = False
 
 
 @dataclass
@@ -328,7 +329,9 @@ class SimMachine:
                 mapping.allocation.mapped_at.discard(start)
                 self._maybe_free(mapping.allocation)
 
-    def set_access(self, ptr: int, size: int, devices: list[int]) -> None:
+    def set_access(
+        self, ptr: int, size: int, devices: list[int], *, read_only: bool = False
+    ) -> None:
         with self.lock:
             self._aligned(ptr, size, to=self.granularity)
             for device in devices:
@@ -339,9 +342,31 @@ class SimMachine:
                     raise _fail(
                         Code.INVALID_DEVICE, "access for a device other than the memory's own"
                     )
-            _libc.mprotect(ptr, size, _libc.PROT_READ_WRITE)
+            _libc.mprotect(ptr, size, _libc.PROT_READ if read_only else _libc.PROT_READ_WRITE)
             for start in starts:
                 self.mappings[start].access.update(devices)
+                self.mappings[start].read_only = read_only
+
+    def retain(self, ptr: int) -> int:
+        """A new handle for the allocation mapped at ``ptr``."""
+        with self.lock:
+            start = self._covering(ptr, 1, whole=False)[0]
+            allocation = self.mappings[start].allocation
+            allocation.handles += 1
+            return self._new_handle(allocation)
+
+    def memset(self, ptr: int, value: int, size: int, device: int) -> None:
+        """A memset on ``device``: the range must be mapped writable for it."""
+        with self.lock:
+            try:
+                starts = self._covering(ptr, size, whole=False)
+            except SimError:
+                raise self._die(f"memset of unmapped [{ptr:#x}, +{size:#x})") from None
+            if any(
+                device not in self.mappings[s].access or self.mappings[s].read_only for s in starts
+            ):
+                raise self._die("memset of memory without write access")
+            ctypes.memset(ptr, value, size)
 
     # -- sharing ------------------------------------------------------------------
 
@@ -394,6 +419,8 @@ class SimMachine:
                 raise self._die(f"kernel touched unmapped [{ptr:#x}, +{size:#x})") from None
             if any(device not in self.mappings[s].access for s in starts):
                 raise self._die("kernel touched memory without access")
+            if any(self.mappings[s].read_only for s in starts):
+                raise self._die("kernel wrote read-only memory")
             self.pending.append(Kernel(device, stream, ptr, size, value))
 
     def synchronize(self, device: int) -> None:

@@ -7,13 +7,22 @@ code (0 on success) followed by the values the call produces.
 
 from __future__ import annotations
 
+import bisect
+import logging
 import threading
 import warnings
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 from extensible_kv.driver.errors import DriverError, OutOfMemoryError
+from extensible_kv.intervals import IntervalSet
+
+logger = logging.getLogger(__name__)
+
+#: CUDA_ERROR_INVALID_VALUE and hipErrorInvalidValue.
+_INVALID_VALUE = 1
 
 
 def format_uuid(raw: bytes) -> str:
@@ -21,6 +30,27 @@ def format_uuid(raw: bytes) -> str:
     (the form nvidia-smi and ``CUDA_VISIBLE_DEVICES`` use)."""
     h = bytes(raw[:16]).hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+@dataclass
+class _Zeroed:
+    """A reservation whose unmapped granules show the device's zero granule.
+
+    Addresses are absolute; ``granule`` is the plain granularity, the size
+    of the zero granule mapped at each of them.
+    """
+
+    size: int
+    device: int
+    granule: int
+    #: Granules the zero granule is mapped at.
+    aliased: IntervalSet = field(default_factory=IntervalSet)
+    #: The caller's mappings in it: start -> size.
+    mappings: dict[int, int] = field(default_factory=dict)
+
+
+def _invalid(call: str, message: str) -> DriverError:
+    return DriverError(call, _INVALID_VALUE, "INVALID_VALUE", message)
 
 
 class GpuDriver(ABC):
@@ -42,6 +72,12 @@ class GpuDriver(ABC):
         self._lock = threading.Lock()
         self._granularity: dict[tuple[int, bool], int] = {}
         self._plain_only: set[int] = set()
+        # Zeroed reservations by start, and one zero granule per device while
+        # any of them exists there.
+        self._zero_lock = threading.RLock()
+        self._zeroed: dict[int, _Zeroed] = {}
+        self._zeroed_starts: list[int] = []
+        self._zero_handles: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -102,10 +138,10 @@ class GpuDriver(ABC):
         return None
 
     @abstractmethod
-    def reserve(self, size: int, alignment: int) -> int: ...
+    def _reserve(self, size: int, alignment: int) -> int: ...
 
     @abstractmethod
-    def free_reserved(self, ptr: int, size: int) -> None: ...
+    def _free_reserved(self, ptr: int, size: int) -> None: ...
 
     # -- allocation properties ------------------------------------------------
 
@@ -165,16 +201,190 @@ class GpuDriver(ABC):
     def release(self, handle: int) -> None: ...
 
     @abstractmethod
-    def map(self, ptr: int, size: int, handle: int) -> None: ...
+    def _map(self, ptr: int, size: int, handle: int) -> None: ...
 
     @abstractmethod
-    def unmap(self, ptr: int, size: int) -> None: ...
+    def _unmap(self, ptr: int, size: int) -> None: ...
 
     @abstractmethod
-    def set_access(self, ptr: int, size: int, device: int) -> None: ...
+    def _set_access(self, ptr: int, size: int, device: int, *, read_only: bool) -> None: ...
+
+    @abstractmethod
+    def _retain(self, ptr: int) -> int:
+        """A new reference to the handle mapped at ``ptr`` (released by ``release``)."""
+
+    @abstractmethod
+    def _memset_zero(self, ptr: int, size: int) -> None:
+        """Zero ``size`` bytes at ``ptr`` (device memory of the current context)."""
 
     @abstractmethod
     def export_handle(self, handle: int) -> int: ...
 
     @abstractmethod
     def import_handle(self, fd: int) -> int: ...
+
+    # -- mapping, and zeroed reservations ----------------------------------------
+    #
+    # A zeroed reservation shows one physical granule per device, zeroed once
+    # and mapped read-only at every granule no caller's mapping covers: the
+    # driver maps one handle at any number of addresses, so the zeros cost
+    # one granule whatever the reservations' size. A kernel reading past the
+    # committed memory then reads zeros instead of raising an illegal
+    # address, and writing there still faults. The caller sees plain
+    # reservation semantics: map() first unmaps the zeros it covers, unmap()
+    # maps them back, each all or nothing.
+
+    def reserve(self, size: int, alignment: int) -> int:
+        return self._reserve(size, alignment)
+
+    def reserve_zeroed(self, size: int, alignment: int, device: int) -> int:
+        granule = self.granularity(device, False)
+        if size <= 0 or size % granule or alignment % granule:
+            raise _invalid(
+                "reserve_zeroed",
+                f"size {size} and alignment {alignment} must be multiples of the "
+                f"{granule}-byte granularity",
+            )
+        with self._zero_lock, self.context(device):
+            made_zero = device not in self._zero_handles
+            if made_zero:
+                self._zero_handles[device] = self._make_zero_granule(device, granule)
+            try:
+                ptr = self._reserve(size, alignment)
+                zeroed = _Zeroed(size, device, granule)
+                try:
+                    self._alias(zeroed, ptr, ptr + size)
+                except BaseException:
+                    self._free_reserved(ptr, size)
+                    raise
+            except BaseException:
+                if made_zero:
+                    self.release(self._zero_handles.pop(device))
+                raise
+            self._zeroed[ptr] = zeroed
+            bisect.insort(self._zeroed_starts, ptr)
+        return ptr
+
+    def _make_zero_granule(self, device: int, granule: int) -> int:
+        """One granule of ``device`` memory, zeroed through a scratch mapping."""
+        handle = self._create(granule, self._allocation_prop(device, False))
+        try:
+            scratch = self._reserve(granule, granule)
+            try:
+                self._map(scratch, granule, handle)
+                try:
+                    self._set_access(scratch, granule, device, read_only=False)
+                    self._memset_zero(scratch, granule)
+                    self.synchronize(device)
+                finally:
+                    self._unmap(scratch, granule)
+            finally:
+                self._free_reserved(scratch, granule)
+        except BaseException:
+            self.release(handle)
+            raise
+        return handle
+
+    def _alias(self, zeroed: _Zeroed, start: int, end: int) -> None:
+        """Map the zero granule, read-only, at every granule of ``[start, end)``."""
+        zero, step = self._zero_handles[zeroed.device], zeroed.granule
+        done: list[int] = []
+        try:
+            for at in range(start, end, step):
+                self._map(at, step, zero)
+                done.append(at)
+            self._set_access(start, end - start, zeroed.device, read_only=True)
+        except BaseException:
+            for at in reversed(done):
+                self._unmap(at, step)
+            raise
+        zeroed.aliased.add(start, end)
+
+    def _unalias(self, zeroed: _Zeroed, start: int, end: int) -> None:
+        """Unmap the zero granule from every granule of ``[start, end)``."""
+        step = zeroed.granule
+        done: list[int] = []
+        try:
+            for at in range(start, end, step):
+                self._unmap(at, step)
+                done.append(at)
+        except BaseException:
+            if done:
+                self._alias(zeroed, start, done[-1] + step)
+            raise
+        zeroed.aliased.remove(start, end)
+
+    def _zeroed_holding(self, ptr: int) -> tuple[int, _Zeroed] | None:
+        """The zeroed reservation holding address ``ptr``, with its start."""
+        with self._zero_lock:
+            i = bisect.bisect_right(self._zeroed_starts, ptr) - 1
+            if i >= 0:
+                start = self._zeroed_starts[i]
+                zeroed = self._zeroed[start]
+                if ptr < start + zeroed.size:
+                    return start, zeroed
+        return None
+
+    def free_reserved(self, ptr: int, size: int) -> None:
+        found = self._zeroed_holding(ptr)
+        if found is None:
+            self._free_reserved(ptr, size)
+            return
+        start, zeroed = found
+        with self._zero_lock:
+            if start != ptr or zeroed.size != size:
+                raise _invalid("free_reserved", f"[{ptr:#x}, +{size}) is not a reservation")
+            if zeroed.mappings:
+                raise _invalid("free_reserved", "the reservation still holds mappings")
+            self._unalias(zeroed, ptr, ptr + size)
+            try:
+                self._free_reserved(ptr, size)
+            except BaseException:
+                self._alias(zeroed, ptr, ptr + size)
+                raise
+            del self._zeroed[ptr]
+            self._zeroed_starts.remove(ptr)
+            if all(z.device != zeroed.device for z in self._zeroed.values()):
+                self.release(self._zero_handles.pop(zeroed.device))
+
+    def map(self, ptr: int, size: int, handle: int) -> None:
+        found = self._zeroed_holding(ptr)
+        if found is None:
+            self._map(ptr, size, handle)
+            return
+        start, zeroed = found
+        if ptr + size > start + zeroed.size or zeroed.aliased.gaps(ptr, ptr + size):
+            raise _invalid("map", f"[{ptr:#x}, +{size}) is not unmapped reservation")
+        self._unalias(zeroed, ptr, ptr + size)
+        try:
+            self._map(ptr, size, handle)
+        except BaseException:
+            self._alias(zeroed, ptr, ptr + size)
+            raise
+        zeroed.mappings[ptr] = size
+
+    def unmap(self, ptr: int, size: int) -> None:
+        found = self._zeroed_holding(ptr)
+        if found is None:
+            self._unmap(ptr, size)
+            return
+        _, zeroed = found
+        if zeroed.mappings.get(ptr) != size:
+            raise _invalid("unmap", "an unmap in a zeroed reservation covers exactly one mapping")
+        # Held so that a failure to show the zeros again can map the memory
+        # back, whoever has released the caller's handle meanwhile.
+        handle = self._retain(ptr)
+        try:
+            self._unmap(ptr, size)
+            try:
+                self._alias(zeroed, ptr, ptr + size)
+            except BaseException:
+                self._map(ptr, size, handle)
+                self._set_access(ptr, size, zeroed.device, read_only=False)
+                raise
+        finally:
+            self.release(handle)
+        del zeroed.mappings[ptr]
+
+    def set_access(self, ptr: int, size: int, device: int) -> None:
+        self._set_access(ptr, size, device, read_only=False)

@@ -12,6 +12,7 @@ import mmap
 import os
 
 PROT_NONE = 0
+PROT_READ = mmap.PROT_READ
 PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 MAP_PRIVATE = mmap.MAP_PRIVATE
 MAP_SHARED = mmap.MAP_SHARED

@@ -56,6 +56,9 @@ class DriverAdaptor:
     def reserve(self, size: int, alignment: int) -> int:
         return int(self._call("reserve", size, alignment))
 
+    def reserve_zeroed(self, size: int, alignment: int, device: int) -> int:
+        return int(self._call("reserve_zeroed", size, alignment, device))
+
     def free_reserved(self, ptr: int, size: int) -> None:
         self._call("free_reserved", ptr, size)
 
@@ -175,7 +178,7 @@ class StatisticsDriver(DriverAdaptor):
             self._handles[result] = 0
         elif name == "release":
             del self._handles[args[0]]
-        elif name == "reserve":
+        elif name in ("reserve", "reserve_zeroed"):
             self._reservations[result] = args[0]
         elif name == "free_reserved":
             del self._reservations[args[0]]
@@ -259,6 +262,6 @@ class FaultInjectingDriver(DriverAdaptor):
 
 
 def _injected(name: str, message: str) -> DriverError:
-    if name in ("create", "reserve", "map"):
+    if name in ("create", "reserve", "reserve_zeroed", "map"):
         return OutOfMemoryError(name, errno.ENOMEM, "ENOMEM", message)
     return DriverError(name, errno.EIO, "EIO", message)

@@ -146,10 +146,15 @@ class CudaDriver(GpuDriver):
                 prop.allocFlags.gpuDirectRDMACapable = 1
         return prop
 
-    def access_desc(self, device: int) -> Any:
+    def access_desc(self, device: int, *, read_only: bool = False) -> Any:
         desc = self._b.CUmemAccessDesc()
         self._location(desc.location, device)
-        desc.flags = self._b.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        flags = self._b.CUmemAccess_flags
+        desc.flags = (
+            flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+            if read_only
+            else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        )
         return desc
 
     # -- protocol ---------------------------------------------------------------
@@ -163,12 +168,12 @@ class CudaDriver(GpuDriver):
             )
         )
 
-    def reserve(self, size: int, alignment: int) -> int:
+    def _reserve(self, size: int, alignment: int) -> int:
         return int(
             self._check("cuMemAddressReserve", self._b.cuMemAddressReserve(size, alignment, 0, 0))
         )
 
-    def free_reserved(self, ptr: int, size: int) -> None:
+    def _free_reserved(self, ptr: int, size: int) -> None:
         self._check("cuMemAddressFree", self._b.cuMemAddressFree(ptr, size))
 
     def _create(self, size: int, prop: Any) -> int:
@@ -177,17 +182,24 @@ class CudaDriver(GpuDriver):
     def release(self, handle: int) -> None:
         self._check("cuMemRelease", self._b.cuMemRelease(handle))
 
-    def map(self, ptr: int, size: int, handle: int) -> None:
+    def _map(self, ptr: int, size: int, handle: int) -> None:
         self._check("cuMemMap", self._b.cuMemMap(ptr, size, 0, handle, 0))
 
-    def unmap(self, ptr: int, size: int) -> None:
+    def _unmap(self, ptr: int, size: int) -> None:
         self._check("cuMemUnmap", self._b.cuMemUnmap(ptr, size))
 
-    def set_access(self, ptr: int, size: int, device: int) -> None:
+    def _set_access(self, ptr: int, size: int, device: int, *, read_only: bool) -> None:
+        desc = self.access_desc(device, read_only=read_only)
         with self.context(device):
-            self._check(
-                "cuMemSetAccess", self._b.cuMemSetAccess(ptr, size, [self.access_desc(device)], 1)
-            )
+            self._check("cuMemSetAccess", self._b.cuMemSetAccess(ptr, size, [desc], 1))
+
+    def _retain(self, ptr: int) -> int:
+        return int(
+            self._check("cuMemRetainAllocationHandle", self._b.cuMemRetainAllocationHandle(ptr))
+        )
+
+    def _memset_zero(self, ptr: int, size: int) -> None:
+        self._check("cuMemsetD8", self._b.cuMemsetD8(ptr, 0, size))
 
     def export_handle(self, handle: int) -> int:
         posix_fd = self._b.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR

@@ -153,10 +153,13 @@ class HipDriver(GpuDriver):
                 )
         return prop
 
-    def access_desc(self, device: int) -> Any:
+    def access_desc(self, device: int, *, read_only: bool = False) -> Any:
         desc = self._b.hipMemAccessDesc()
         self._location(desc.location, device)
-        desc.flags = self._b.hipMemAccessFlags.hipMemAccessFlagsProtReadWrite
+        flags = self._b.hipMemAccessFlags
+        desc.flags = (
+            flags.hipMemAccessFlagsProtRead if read_only else flags.hipMemAccessFlagsProtReadWrite
+        )
         return desc
 
     # -- protocol ---------------------------------------------------------------
@@ -170,12 +173,12 @@ class HipDriver(GpuDriver):
             )
         )
 
-    def reserve(self, size: int, alignment: int) -> int:
+    def _reserve(self, size: int, alignment: int) -> int:
         return int(
             self._check("hipMemAddressReserve", self._b.hipMemAddressReserve(size, alignment, 0, 0))
         )
 
-    def free_reserved(self, ptr: int, size: int) -> None:
+    def _free_reserved(self, ptr: int, size: int) -> None:
         self._check("hipMemAddressFree", self._b.hipMemAddressFree(ptr, size))
 
     def _create(self, size: int, prop: Any) -> int:
@@ -184,17 +187,24 @@ class HipDriver(GpuDriver):
     def release(self, handle: int) -> None:
         self._check("hipMemRelease", self._b.hipMemRelease(handle))
 
-    def map(self, ptr: int, size: int, handle: int) -> None:
+    def _map(self, ptr: int, size: int, handle: int) -> None:
         self._check("hipMemMap", self._b.hipMemMap(ptr, size, 0, handle, 0))
 
-    def unmap(self, ptr: int, size: int) -> None:
+    def _unmap(self, ptr: int, size: int) -> None:
         self._check("hipMemUnmap", self._b.hipMemUnmap(ptr, size))
 
-    def set_access(self, ptr: int, size: int, device: int) -> None:
+    def _set_access(self, ptr: int, size: int, device: int, *, read_only: bool) -> None:
+        desc = self.access_desc(device, read_only=read_only)
         with self.context(device):
-            self._check(
-                "hipMemSetAccess", self._b.hipMemSetAccess(ptr, size, self.access_desc(device), 1)
-            )
+            self._check("hipMemSetAccess", self._b.hipMemSetAccess(ptr, size, desc, 1))
+
+    def _retain(self, ptr: int) -> int:
+        return int(
+            self._check("hipMemRetainAllocationHandle", self._b.hipMemRetainAllocationHandle(ptr))
+        )
+
+    def _memset_zero(self, ptr: int, size: int) -> None:
+        self._check("hipMemset", self._b.hipMemset(ptr, 0, size))
 
     def _posix_fd_type(self) -> Any:
         return self._b.hipMemAllocationHandleType.hipMemHandleTypePosixFileDescriptor

@@ -16,6 +16,8 @@ whole library on machines without a GPU.
   exported as a file descriptor.
 * As with ``cuMemMap``, a new mapping is inaccessible (``PROT_NONE``) until
   ``set_access``; touching it faults, as a GPU kernel would.
+* A zeroed reservation is the same mapping made ``PROT_READ``: reading it
+  maps the kernel's shared zero page, which takes no memory; writing faults.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class HostDriver:
         self._handles: dict[int, _Allocation] = {}
         self._reservations: dict[int, int] = {}
         self._reservation_starts: list[int] = []
+        #: Starts of the reservations from reserve_zeroed.
+        self._zeroed: set[int] = set()
         self._mappings: dict[int, _Mapping] = {}
         self._mapping_starts: list[int] = []
         self._populate_write = True
@@ -137,12 +141,17 @@ class HostDriver:
                 )
 
     def _check_reserved(self, call: str, ptr: int, size: int) -> None:
+        if self._reservation_of(ptr, size) is None:
+            raise _invalid(call, f"[{ptr:#x}, {ptr + size:#x}) is not inside one reservation")
+
+    def _reservation_of(self, ptr: int, size: int) -> int | None:
+        """The start of the reservation holding ``[ptr, ptr + size)``, if one does."""
         i = bisect.bisect_right(self._reservation_starts, ptr) - 1
         if i >= 0:
             start = self._reservation_starts[i]
             if ptr + size <= start + self._reservations[start]:
-                return
-        raise _invalid(call, f"[{ptr:#x}, {ptr + size:#x}) is not inside one reservation")
+                return start
+        return None
 
     def _mappings_covering(self, call: str, ptr: int, size: int) -> list[int]:
         """Starts of the mappings that tile ``[ptr, ptr + size)`` exactly."""
@@ -200,18 +209,28 @@ class HostDriver:
         self._check_device("synchronize", device)
 
     def reserve(self, size: int, alignment: int) -> int:
-        self._check_aligned("reserve", size)
+        return self._reserve("reserve", size, alignment, _libc.PROT_NONE)
+
+    def reserve_zeroed(self, size: int, alignment: int, device: int) -> int:
+        self._check_device("reserve_zeroed", device)
+        ptr = self._reserve("reserve_zeroed", size, alignment, _libc.PROT_READ)
+        with self._lock:
+            self._zeroed.add(ptr)
+        return ptr
+
+    def _reserve(self, call: str, size: int, alignment: int, prot: int) -> int:
+        self._check_aligned(call, size)
         if alignment <= 0 or alignment & (alignment - 1):
-            raise _invalid("reserve", f"alignment must be a power of two, got {alignment}")
+            raise _invalid(call, f"alignment must be a power of two, got {alignment}")
         try:
             ptr = _libc.map_aligned(
                 size,
                 max(alignment, self._alignment),
-                _libc.PROT_NONE,
+                prot,
                 _libc.MAP_PRIVATE | _libc.MAP_NORESERVE,
             )
         except OSError as exc:
-            raise _from_os("reserve", exc) from None
+            raise _from_os(call, exc) from None
         with self._lock:
             self._reservations[ptr] = size
             bisect.insort(self._reservation_starts, ptr)
@@ -229,6 +248,7 @@ class HostDriver:
                 raise _from_os("free_reserved", exc) from None
             del self._reservations[ptr]
             self._reservation_starts.remove(ptr)
+            self._zeroed.discard(ptr)
 
     def create(self, size: int, device: int, shareable: bool) -> int:
         self._check_device("create", device)
@@ -339,6 +359,10 @@ class HostDriver:
     def unmap(self, ptr: int, size: int) -> None:
         with self._lock:
             starts = self._mappings_covering("unmap", ptr, size)
+            if len(starts) > 1 and self._reservation_of(ptr, size) in self._zeroed:
+                raise _invalid(
+                    "unmap", "an unmap in a zeroed reservation covers exactly one mapping"
+                )
             done: list[int] = []
             try:
                 for start in starts:
@@ -382,12 +406,12 @@ class HostDriver:
             self._restore(ptr, mapping)
             raise
 
-    @staticmethod
-    def _reserve_again(ptr: int, size: int) -> None:
+    def _reserve_again(self, ptr: int, size: int) -> None:
+        zeroed = self._reservation_of(ptr, size) in self._zeroed
         _libc.mmap_(
             ptr,
             size,
-            _libc.PROT_NONE,
+            _libc.PROT_READ if zeroed else _libc.PROT_NONE,
             _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_FIXED | _libc.MAP_NORESERVE,
         )
 

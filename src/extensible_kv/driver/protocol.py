@@ -12,6 +12,7 @@ DRIVER_CALLS: tuple[str, ...] = (
     "device_uuid",
     "granularity",
     "reserve",
+    "reserve_zeroed",
     "create",
     "map",
     "set_access",
@@ -41,8 +42,12 @@ class Driver(Protocol):
     * ``release`` may be called while the handle is mapped: the memory goes
       back when its last mapping and its last handle are gone;
     * ``free_reserved`` requires the range to hold no mapping;
+    * in a reservation from ``reserve_zeroed``, the granules no mapping
+      covers read as zeros and fault on write; ``map`` replaces the zeros
+      it covers, and ``unmap`` covers exactly one mapping and puts them back;
     * calls that name a device (``granularity``, ``create``, ``set_access``,
-      ``synchronize``, ``device_uuid``) make its context current themselves;
+      ``synchronize``, ``device_uuid``, ``reserve_zeroed``) make its context
+      current themselves;
       the others (``reserve``, ``free_reserved``, ``map``, ``unmap``,
       ``release``, ``export_handle``, ``import_handle``) need the context of
       the device they concern current on the calling thread: wrap them in
@@ -84,8 +89,17 @@ class Driver(Protocol):
         mapped there); no memory."""
         ...
 
+    def reserve_zeroed(self, size: int, alignment: int, device: int) -> int:
+        """Reserve as ``reserve``, with every byte no mapping covers readable
+        from ``device`` as zero and not writable: a kernel reading past the
+        memory committed so far (attention over a fixed length, masked) reads
+        zeros instead of faulting. ``size`` and ``alignment`` are multiples of
+        ``granularity(device, False)``. The zeros take no memory of their
+        own, at most one granule per device shared by every such reservation."""
+        ...
+
     def free_reserved(self, ptr: int, size: int) -> None:
-        """Return a reservation made by ``reserve``."""
+        """Return a reservation made by ``reserve`` or ``reserve_zeroed``."""
         ...
 
     def create(self, size: int, device: int, shareable: bool) -> int:
