@@ -80,13 +80,16 @@ def generate(model: Any, cache: Any, ids: torch.Tensor, mask: torch.Tensor, **kw
         )
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 @pytest.mark.parametrize("batch", [1, 3])
-def test_greedy_tokens_are_dynamic_caches(name: str, batch: int, real_device: str) -> None:
+def test_greedy_tokens_are_dynamic_caches(
+    name: str, batch: int, real_device: str, static_shapes: bool
+) -> None:
     model = model_of(name, real_device)
     ids, mask = prompts(batch, device=real_device)
     expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=40)
-    cache = ExtensibleCache(max_cache_len=64, config=model.config)
+    cache = ExtensibleCache(max_cache_len=64, config=model.config, static_shapes=static_shapes)
     assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=40), expected)
     assert cache.get_seq_length() == ids.shape[1] + 40 - 1
     cache.free()
@@ -151,26 +154,28 @@ def pointers(layer: Any) -> tuple[int, int]:
     return layer.keys.data_ptr(), layer.values.data_ptr()
 
 
-def test_beam_search_reorders_in_place(real_device: str) -> None:
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_beam_search_reorders_in_place(real_device: str, static_shapes: bool) -> None:
     model = model_of("llama-mha", real_device)
     ids, mask = prompts(2, device=real_device)
     expected = generate(
         model, DynamicCache(config=model.config), ids, mask, max_new_tokens=12, num_beams=3
     )
-    cache = ExtensibleCache(max_cache_len=32, config=model.config)
+    cache = ExtensibleCache(max_cache_len=32, config=model.config, static_shapes=static_shapes)
     out = generate(model, cache, ids, mask, max_new_tokens=12, num_beams=3)
     assert torch.equal(out, expected)
     cache.free()
 
 
-def test_assisted_decoding_crops(real_device: str) -> None:
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_assisted_decoding_crops(real_device: str, static_shapes: bool) -> None:
     model = model_of("llama-mha", real_device)
     torch.manual_seed(5)
     assistant = LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_hidden_layers": 1}))
     assistant = assistant.to(real_device).eval()
     ids, mask = prompts(1, device=real_device)
     expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=24)
-    cache = ExtensibleCache(max_cache_len=64, config=model.config)
+    cache = ExtensibleCache(max_cache_len=64, config=model.config, static_shapes=static_shapes)
     cropped: list[int] = []
     crop = cache.crop
 
@@ -185,10 +190,13 @@ def test_assisted_decoding_crops(real_device: str) -> None:
     cache.free()
 
 
-def test_reset_gives_memory_back_and_the_cache_serves_again(real_device: str) -> None:
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_reset_gives_memory_back_and_the_cache_serves_again(
+    real_device: str, static_shapes: bool
+) -> None:
     model = model_of("mistral-gqa", real_device)
     ids, mask = prompts(1, device=real_device)
-    cache = ExtensibleCache(max_cache_len=64, config=model.config)
+    cache = ExtensibleCache(max_cache_len=64, config=model.config, static_shapes=static_shapes)
     first = generate(model, cache, ids, mask, max_new_tokens=20)
     pointers_before = [pointers(layer) for layer in cache.layers]
     cache.reset()
@@ -199,8 +207,9 @@ def test_reset_gives_memory_back_and_the_cache_serves_again(real_device: str) ->
     cache.free()
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
 @pytest.mark.parametrize("preserve", [True, False])
-def test_a_chat_sleeps_between_turns(preserve: bool, real_device: str) -> None:
+def test_a_chat_sleeps_between_turns(preserve: bool, real_device: str, static_shapes: bool) -> None:
     model = model_of("qwen3-gqa", real_device)
     ids, mask = prompts(1, device=real_device)
     follow_up = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
@@ -215,9 +224,9 @@ def test_a_chat_sleeps_between_turns(preserve: bool, real_device: str) -> None:
         turn2_ids = torch.cat([turn1, follow_up], dim=1)
         return generate(model, cache, turn2_ids, torch.ones_like(turn2_ids), max_new_tokens=15)
 
-    awake = ExtensibleCache(max_cache_len=128, config=model.config)
+    awake = ExtensibleCache(max_cache_len=128, config=model.config, static_shapes=static_shapes)
     expected = chat(awake, sleep=False)
-    slept = ExtensibleCache(max_cache_len=128, config=model.config)
+    slept = ExtensibleCache(max_cache_len=128, config=model.config, static_shapes=static_shapes)
     assert torch.equal(chat(slept, sleep=True), expected)
     awake.free()
     slept.free()
@@ -317,4 +326,73 @@ def test_batch_select_keeps_the_rows_in_place() -> None:
     out_keys, _ = cache.update(more, more, 0)
     assert out_keys.shape == (2, 2, 5, 8)
     assert torch.equal(out_keys[:, :, 4], more[:, :, 0])
+    cache.free()
+
+
+def test_static_shapes_need_the_config() -> None:
+    with pytest.raises(ValueError, match="static_shapes=True needs the model's config"):
+        ExtensibleCache(max_cache_len=16, static_shapes=True)
+
+
+def test_a_compiled_decode_step_is_one_graph_replayed_as_the_cache_grows(
+    real_device: str,
+) -> None:
+    """One graph, no graph break, no recompile, over 200 steps that commit
+    memory as they go; DynamicCache's tokens; reads past the tokens are zeros.
+
+    On the host the step is traced by dynamo (backend "eager"); on a GPU it
+    is generate's own compile: inductor with CUDA graphs ("reduce-overhead").
+    """
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from extensible_kv.driver.host import HostDriver
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=64))
+    model = model.to(real_device).eval()
+    ids, mask = prompts(2, device=real_device)
+    new = 200
+    expected = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=new)
+    if real_device == "cpu":
+        # 64 KiB granules hold 64 tokens of 1 KiB: the step commits as it goes.
+        driver: Any = HostDriver(granularity=1 << 16)
+        config = CompileConfig(backend="eager", mode=None, fullgraph=True)
+        config._compile_all_devices = True
+    else:
+        driver, config = None, CompileConfig(fullgraph=True)
+    cache = ExtensibleCache(
+        max_cache_len=512, config=model.config, static_shapes=True, driver=driver
+    )
+    seen: list[tuple[int, int, tuple[int, int]]] = []
+
+    def look(c: ExtensibleCache) -> None:
+        seen.append((int(c.get_seq_length()), c.physical_bytes, pointers(c.layers[0])))
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = generate(
+        model,
+        cache,
+        ids,
+        mask,
+        max_new_tokens=new,
+        compile_config=config,
+        logits_processor=LogitsProcessorList([Watch(cache, look)]),
+    )
+    assert torch.equal(out, expected)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    assert len({p for _, _, p in seen}) == 1, "keys and values never moved"
+    granule = cache.buffers.buffers[0][0].buffer.granularity
+    tensors = 2 * model.config.num_hidden_layers
+    for tokens, physical, _ in seen:
+        dynamic = tensors * tokens * 2 * 2 * 64 * 4
+        assert physical <= dynamic + tensors * granule
+    assert seen[-1][1] > seen[0][1], "the compiled steps committed memory"
+    layer = cache.layers[0]
+    held = int(cache.get_seq_length())
+    assert layer.keys.shape[2] == 512
+    assert int(layer.keys[:, :, held:].count_nonzero()) == 0, "past the tokens: zeros"
+    assert int(layer.keys[:, :, :held].count_nonzero()) > 0
     cache.free()

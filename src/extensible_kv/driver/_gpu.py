@@ -232,7 +232,9 @@ class GpuDriver(ABC):
     # committed memory then reads zeros instead of raising an illegal
     # address, and writing there still faults. The caller sees plain
     # reservation semantics: map() first unmaps the zeros it covers, unmap()
-    # maps them back, each all or nothing.
+    # maps them back, each all or nothing. Kernels may be reading the zeros
+    # (a captured step attends over the full length): the device is
+    # synchronized before they are unmapped, as before any unmap.
 
     def reserve(self, size: int, alignment: int) -> int:
         return self._reserve(size, alignment)
@@ -336,6 +338,7 @@ class GpuDriver(ABC):
                 raise _invalid("free_reserved", f"[{ptr:#x}, +{size}) is not a reservation")
             if zeroed.mappings:
                 raise _invalid("free_reserved", "the reservation still holds mappings")
+            self.synchronize(zeroed.device)
             self._unalias(zeroed, ptr, ptr + size)
             try:
                 self._free_reserved(ptr, size)
@@ -355,6 +358,7 @@ class GpuDriver(ABC):
         start, zeroed = found
         if ptr + size > start + zeroed.size or zeroed.aliased.gaps(ptr, ptr + size):
             raise _invalid("map", f"[{ptr:#x}, +{size}) is not unmapped reservation")
+        self.synchronize(zeroed.device)
         self._unalias(zeroed, ptr, ptr + size)
         try:
             self._map(ptr, size, handle)

@@ -27,6 +27,7 @@ Between two turns of a chat the cache can sleep
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from extensible_kv.driver import Driver
 from extensible_kv.kv.buffers import KVCacheBuffers
 from extensible_kv.tensor import ExtensibleTensor
 
-__all__ = ["ExtensibleCache", "ExtensibleLayer"]
+__all__ = ["ExtensibleCache", "ExtensibleLayer", "ExtensibleStaticLayer"]
 
 
 class _Lockstep:
@@ -46,6 +47,37 @@ class _Lockstep:
 
     def __init__(self, max_cache_len: int) -> None:
         self.buffers = KVCacheBuffers([], max_cache_len)
+        #: Positions every layer holds, counted on the host for committing;
+        #: ``length`` counts them on the device for a compiled step.
+        self.tokens = 0
+        self.length: torch.Tensor | None = None
+
+    def length_on(self, device: torch.device) -> torch.Tensor:
+        """The positions held, as a tensor on ``device`` (made once)."""
+        if self.length is None:
+            self.length = torch.full((), self.tokens, dtype=torch.long, device=device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.length)
+            _LOCKSTEPS[self.length.data_ptr()] = self
+        return self.length
+
+    def advance(self, num_tokens: int) -> None:
+        """Commit memory for ``num_tokens`` more positions of every layer."""
+        end = self.tokens + num_tokens
+        if end > self.buffers.num_blocks_capacity:
+            raise ValueError(
+                f"the cache holds max_cache_len={self.buffers.num_blocks_capacity} tokens; "
+                f"{end} do not fit (make the cache with a larger max_cache_len)"
+            )
+        if self.buffers.buffers:
+            self.ensure(end)
+        self.tokens = end
+
+    def set_tokens(self, num_tokens: int) -> None:
+        """Hold ``num_tokens`` positions from now on (after a crop or a reset)."""
+        self.tokens = num_tokens
+        if self.length is not None:
+            self.length.fill_(num_tokens)
 
     def ensure(self, num_tokens: int) -> None:
         """Back the first ``num_tokens`` positions of every layer.
@@ -63,6 +95,28 @@ class _Lockstep:
         self.buffers.commit(min(self.buffers.num_blocks_capacity, max(num_tokens, fits)))
 
 
+_LOCKSTEPS: weakref.WeakValueDictionary[int, _Lockstep] = weakref.WeakValueDictionary()
+
+
+# A custom op, not a graph break: a compiled decode step calls it as one
+# node, and its Python body runs on every step, outside any CUDA graph
+# (``cudagraph_unsafe``: inductor's graph partitions replay around it). It
+# commits memory for the step's tokens from the host before any layer
+# writes; the graph itself never changes. Every layer's write positions
+# derive from its result, which orders the writes after it.
+@torch.library.custom_op(
+    "extensible_kv::advance", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def _advance(length: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    _LOCKSTEPS[length.data_ptr()].advance(num_tokens)
+    return length + num_tokens
+
+
+@_advance.register_fake
+def _advance_fake(length: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    return torch.empty_like(length)
+
+
 class ExtensibleLayer(CacheLayerMixin):
     """One layer's keys and values, reserved for ``max_cache_len`` tokens and
     committed as they arrive (transformers' cache-layer extension point).
@@ -75,6 +129,8 @@ class ExtensibleLayer(CacheLayerMixin):
     is_compileable = False  # the views' sequence length grows every step
     is_croppable = True
     is_sliding = False
+    #: Whether positions not yet committed read as zeros.
+    zero_backed = False
 
     def __init__(
         self,
@@ -128,6 +184,7 @@ class ExtensibleLayer(CacheLayerMixin):
             states.device,
             driver=self._driver,
             chunk_bytes=self._chunk_bytes,
+            zero_backed=self.zero_backed,
         )
         return buffer, row
 
@@ -248,6 +305,93 @@ class ExtensibleLayer(CacheLayerMixin):
         raise NotImplementedError("ExtensibleLayer.prefetch: use ExtensibleCache.recommit()")
 
 
+class ExtensibleStaticLayer(ExtensibleLayer):
+    """StaticCache's shapes on an extensible reservation: ``keys`` and
+    ``values`` span all ``max_cache_len`` positions, so a decode step is
+    compiled or captured once and replayed as the cache grows.
+
+    Positions not yet committed read as zeros (a zero-backed reservation:
+    no memory, and no NaN a mask could not cancel); the attention mask,
+    StaticCache's, hides them. Memory is committed from the host before
+    each step by :class:`ExtensibleCache` (``static_shapes=True``).
+    """
+
+    is_compileable = True
+    zero_backed = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._lockstep.ensure(self._lockstep.tokens)
+        # Shared by every layer: one count of positions, on the device, which
+        # a compiled step reads instead of specializing on a Python int.
+        self._length = self._lockstep.length_on(self.device)
+        if not torch.compiler.is_compiling():
+            # Fixed addresses: CUDA graphs then read them in place, uncopied.
+            for tensor in self._both():
+                torch._dynamo.mark_static_address(tensor)
+
+    def _narrow(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._both()
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new states at the positions after the cached ones (in
+        memory the cache committed before this step); return all positions."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self._batch:
+            raise ValueError(
+                f"the cache holds a batch of {self._batch}, not {key_states.shape[0]}; "
+                f"use one cache per batch"
+            )
+        keys, values = self._both()
+        length = key_states.shape[-2]
+        # The cache has advanced the count by this step's tokens already.
+        start = self._length - length
+        positions = torch.arange(length, device=self.device) + start
+        keys.index_copy_(2, positions, key_states)
+        values.index_copy_(2, positions, value_states)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> Any:
+        return self._length if self.is_initialized else 0
+
+    def reset(self) -> None:
+        """Nothing per layer: the cache counts the positions of every layer."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Checks the argument; the cache counts the positions of every layer."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache "
+                "instead."
+            )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` takes row ``beam_idx[i]``, in place, over
+        the committed positions (the zeros past them are not writable)."""
+        held = self._lockstep.tokens
+        if held == 0:
+            return
+        index = beam_idx.to(self.device)
+        for states in self._both():
+            cached = states[:, :, :held]
+            cached.copy_(cached.index_select(0, index))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(
+            "ExtensibleStaticLayer.batch_select_indices: static shapes keep the batch; "
+            "use ExtensibleCache(static_shapes=False)"
+        )
+
+
 class ExtensibleCache(Cache):
     """A transformers cache whose layers keep their addresses and commit
     memory as tokens arrive.
@@ -260,6 +404,10 @@ class ExtensibleCache(Cache):
         driver: the driver to use, e.g. wrapped in an adaptor (default: the
             one serving the device of the first keys).
         chunk_bytes: largest physical chunk one commit maps.
+        static_shapes: StaticCache's shapes (:class:`ExtensibleStaticLayer`):
+            keys and values span all ``max_cache_len`` positions, so a decode
+            step compiles (``torch.compile``, CUDA graphs) once; the memory
+            still follows the tokens. Needs ``config``.
 
     The cache owns its memory: :meth:`free` returns it (and the address
     ranges once no view is left); :meth:`release_physical` and
@@ -273,10 +421,17 @@ class ExtensibleCache(Cache):
         *,
         driver: Driver | None = None,
         chunk_bytes: int | None = None,
+        static_shapes: bool = False,
     ) -> None:
         check_int("max_cache_len", max_cache_len)
         if max_cache_len < 1:
             raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
+        if static_shapes and config is None:
+            raise ValueError(
+                "static_shapes=True needs the model's config: a compiled step needs every "
+                "layer made before it runs"
+            )
+        self._layer_class = ExtensibleStaticLayer if static_shapes else ExtensibleLayer
         self._lockstep = _Lockstep(max_cache_len)
         self._driver = driver
         self._chunk_bytes = chunk_bytes
@@ -290,9 +445,35 @@ class ExtensibleCache(Cache):
             super().__init__(layers=layers)
 
     def _new_layer(self) -> ExtensibleLayer:
-        return ExtensibleLayer(
+        return self._layer_class(
             self.max_cache_len, self._lockstep, driver=self._driver, chunk_bytes=self._chunk_bytes
         )
+
+    @property
+    def static_shapes(self) -> bool:
+        """True when keys and values span all ``max_cache_len`` positions."""
+        return self._layer_class is ExtensibleStaticLayer
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new states; with static shapes the first layer's
+        call commits memory for the step's tokens first, for every layer."""
+        if layer_idx == 0 and self.static_shapes:
+            length = self._lockstep.length_on(key_states.device)
+            length.copy_(torch.ops.extensible_kv.advance(length, key_states.shape[-2]))
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return keys, values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.static_shapes:
+            self._lockstep.set_tokens(max(0, self._lockstep.tokens + tokens_to_remove))
 
     @property
     def max_cache_len(self) -> int:
@@ -312,6 +493,7 @@ class ExtensibleCache(Cache):
     def reset(self) -> None:
         """Forget every token and give their memory back; addresses stay."""
         super().reset()
+        self._lockstep.set_tokens(0)
         if not self.buffers.released:
             self.buffers.trim(0)
 
