@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import SIMULATORS
 from extensible_kv import ExtensibleTensor, StatisticsDriver
 from extensible_kv.buffer import VirtualBuffer
 from extensible_kv.dlpack import as_tensor
@@ -69,7 +70,7 @@ def test_buffer_shows_its_chunks_and_zeros_elsewhere(
     """Against a model (the chunks, as granule runs, and the byte written in
     each committed granule), over the host backend and both simulated GPUs:
     committed granules keep their bytes, all others read zeros."""
-    for kind in ("cpu", "cuda-sim", "hip-sim"):
+    for kind in ("cpu", *SIMULATORS):
         driver = _driver(kind)
         g = driver.granularity(0, False)
         buffer = VirtualBuffer(4 * g, driver, chunk_bytes=g, zero_backed=True)
@@ -199,7 +200,7 @@ _NAMES = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(_NAMES))
+@pytest.mark.parametrize("kind", SIMULATORS)
 @pytest.mark.parametrize(
     ("operation", "failing"),
     [("map", "map"), ("map", "unmap"), ("unmap", "map"), ("unmap", "unmap")],
@@ -230,7 +231,7 @@ def test_a_failing_driver_call_leaves_the_reservation_as_it_was(
     assert machine.empty()
 
 
-@pytest.mark.parametrize("kind", sorted(_NAMES))
+@pytest.mark.parametrize("kind", SIMULATORS)
 def test_a_failing_zero_fill_leaves_nothing_behind(kind: str) -> None:
     machine = SimMachine()
     driver, bindings = sim_driver(kind, machine)
