@@ -12,7 +12,9 @@ logits processor takes the time; on a GPU after a synchronize) and averaged
 over windows of positions. KV memory is what each cache holds: DynamicCache
 and StaticCache the bytes of their tensors, ExtensibleCache its committed
 granules. StaticCache and ExtensibleCache are given the same
-``max_cache_len``, the model's context.
+``max_cache_len``, the model's context. ``ext-static`` is ExtensibleCache
+with ``static_shapes=True``: on a GPU generate compiles its decode step as
+it does StaticCache's (CUDA graphs); on the host neither is compiled.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from transformers import (
 from extensible_kv.integrations.transformers import ExtensibleCache
 
 MiB = 1 << 20
-KINDS = ("dynamic", "static", "extensible")
+KINDS = ("dynamic", "static", "extensible", "ext-static")
 
 
 class StepClock(LogitsProcessor):  # type: ignore[misc]
@@ -74,7 +76,11 @@ def make_cache(kind: str, config: LlamaConfig) -> tuple[Any, Callable[[], int]]:
     if kind == "static":
         static = StaticCache(config=config, max_cache_len=config.max_position_embeddings)
         return static, lambda: tensor_bytes(static)
-    extensible = ExtensibleCache(max_cache_len=config.max_position_embeddings, config=config)
+    extensible = ExtensibleCache(
+        max_cache_len=config.max_position_embeddings,
+        config=config,
+        static_shapes=kind == "ext-static",
+    )
     return extensible, lambda: extensible.physical_bytes
 
 
@@ -156,16 +162,18 @@ def main() -> None:
     }
 
     print(f"\nper-token time (ms), median of {args.repeats} [min-max]; device {device}")
-    print(f"{'positions':>12} " + " ".join(f"{k:>22}" for k in KINDS) + "  ext/dyn  ext/static")
+    ratios = "  ext/dyn  ext/static  ext-static/static"
+    print(f"{'positions':>12} " + " ".join(f"{k:>22}" for k in KINDS) + ratios)
     for row in rows:
         cells = " ".join(
             f"{row[k]['median_ms']:>8.2f} [{row[k]['min_ms']:.2f}-{row[k]['max_ms']:.2f}]".rjust(22)
             for k in KINDS
         )
-        ext = row["extensible"]["median_ms"]
+        ext, static = row["extensible"]["median_ms"], row["static"]["median_ms"]
         print(
             f"{row['positions'][0]:>5}-{row['positions'][1]:<6} {cells}  "
-            f"{ext / row['dynamic']['median_ms']:>7.2f}  {ext / row['static']['median_ms']:>10.2f}"
+            f"{ext / row['dynamic']['median_ms']:>7.2f}  {ext / static:>10.2f}  "
+            f"{row['ext-static']['median_ms'] / static:>17.2f}"
         )
     print("\nKV memory (MiB) at the end [most held]:")
     for kind in KINDS:
