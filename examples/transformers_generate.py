@@ -4,12 +4,15 @@ fixed addresses, memory that follows the sequence, a sleep between turns.
     pip install 'extensible-kv[transformers]'
     python examples/transformers_generate.py              # a tiny random Llama, CPU
     python examples/transformers_generate.py --new-tokens 500 --device cuda
+    python examples/transformers_generate.py --static-shapes  # compiled on a GPU
 
 The model is built from a small random-weight config (nothing is
 downloaded). The same greedy generation runs twice, on DynamicCache and on
 ExtensibleCache; the tokens must be equal. Then the chat sleeps (its cache
 copied to host memory and released), wakes and answers a second turn, which
-must match the turn of a cache that never slept.
+must match the turn of a cache that never slept. With ``--static-shapes``
+the cache has StaticCache's shapes (uncommitted positions read zeros), and
+on a GPU generate compiles its decode step once (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--new-tokens", type=int, default=200, help="tokens per turn (200)")
+    parser.add_argument(
+        "--static-shapes", action="store_true", help="StaticCache's shapes, for a compiled step"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
 
@@ -70,14 +76,15 @@ def main() -> None:
     expected = generate(model, DynamicCache(config=config), prompt, args.new_tokens)
     dynamic_s = time.perf_counter() - start
 
-    cache = ExtensibleCache(max_cache_len=max_len, config=config)
+    static = args.static_shapes
+    cache = ExtensibleCache(max_cache_len=max_len, config=config, static_shapes=static)
     print(f"before the first token: {cache.physical_bytes} bytes of memory")
     start = time.perf_counter()
     turn1 = generate(model, cache, prompt, args.new_tokens)
     extensible_s = time.perf_counter() - start
     addresses = [layer.keys.data_ptr() for layer in cache.layers]
     print(
-        f"turn 1: {cache.get_seq_length()} tokens, {cache.physical_bytes / MiB:.1f} MiB "
+        f"turn 1: {int(cache.get_seq_length())} tokens, {cache.physical_bytes / MiB:.1f} MiB "
         f"committed of {sum(b.capacity_bytes for b, _ in cache.buffers.buffers) / MiB:.1f} "
         f"MiB reserved; {extensible_s:.2f} s (DynamicCache {dynamic_s:.2f} s)"
     )
@@ -92,11 +99,11 @@ def main() -> None:
     if [layer.keys.data_ptr() for layer in cache.layers] != addresses:
         raise SystemExit("MOVED: the keys changed address")
 
-    never_slept = ExtensibleCache(max_cache_len=max_len, config=config)
+    never_slept = ExtensibleCache(max_cache_len=max_len, config=config, static_shapes=static)
     generate(model, never_slept, prompt, args.new_tokens)
     if not torch.equal(turn2, generate(model, never_slept, turn2_ids, args.new_tokens)):
         raise SystemExit("MISMATCH: the second turn differs from a cache that never slept")
-    print(f"turn 2: {cache.get_seq_length()} tokens, {cache.physical_bytes / MiB:.1f} MiB")
+    print(f"turn 2: {int(cache.get_seq_length())} tokens, {cache.physical_bytes / MiB:.1f} MiB")
     print("ok: DynamicCache's tokens, fixed addresses, same second turn after a sleep")
     cache.free()
     never_slept.free()

@@ -33,10 +33,11 @@ def test_grow_sleep_wake_runs_and_checks_itself(real_device: str) -> None:
     assert result.stdout.strip().splitlines()[-1].startswith("ok: base pointer")
 
 
-def test_transformers_generate_runs_and_checks_itself() -> None:
+@pytest.mark.parametrize("flags", [[], ["--static-shapes"]])
+def test_transformers_generate_runs_and_checks_itself(flags: list[str]) -> None:
     pytest.importorskip("transformers")
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "transformers_generate.py"), "--new-tokens", "30"],
+        [sys.executable, str(EXAMPLES / "transformers_generate.py"), "--new-tokens", "30", *flags],
         capture_output=True,
         text=True,
         timeout=300,

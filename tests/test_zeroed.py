@@ -21,7 +21,7 @@ from gpusim import SimMachine, sim_driver
 
 
 def _bytes(buffer: VirtualBuffer) -> torch.Tensor:
-    return as_tensor(buffer, 0, buffer.size).cpu()
+    return as_tensor(buffer, 0, buffer.size).cpu().clone()
 
 
 def test_uncommitted_bytes_read_as_zeros_through_every_change(
@@ -241,5 +241,23 @@ def test_a_failing_zero_fill_leaves_nothing_behind(kind: str) -> None:
     assert machine.empty()
     buffer = VirtualBuffer(4 << 20, driver, zero_backed=True)
     assert int(_bytes(buffer).count_nonzero()) == 0
+    buffer.free()
+    assert machine.empty()
+
+
+@pytest.mark.parametrize("kind", SIMULATORS)
+def test_a_device_refusing_read_only_access_gets_writable_zeros_and_a_warning(
+    kind: str,
+) -> None:
+    machine = SimMachine(read_only_access=False)
+    driver, _ = sim_driver(kind, machine)
+    g = driver.granularity(0, False)
+    with pytest.warns(RuntimeWarning, match="refused read-only access"):
+        buffer = VirtualBuffer(2 * g, driver, zero_backed=True)
+    buffer.commit([(0, g)])
+    as_tensor(buffer, 0, g).fill_(4)
+    seen = _bytes(buffer)
+    assert bool((seen[:g] == 4).all())
+    assert int(seen[g:].count_nonzero()) == 0
     buffer.free()
     assert machine.empty()

@@ -120,6 +120,8 @@ class SimMachine:
             type or the RDMA flag is asked for (coarser, as drivers may make it).
         capacity: bytes of memory per GPU.
         posix_fd, rdma, vmm: what the device attributes report.
+        read_only_access: whether read-only access can be set (a driver
+            that refuses it answers NOT_SUPPORTED).
     """
 
     def __init__(
@@ -133,11 +135,13 @@ class SimMachine:
         posix_fd: bool = True,
         rdma: bool = True,
         vmm: bool = True,
+        read_only_access: bool = True,
     ) -> None:
         physical = order if order is not None else list(range(devices))
         self.devices = [SimDevice(device_uuid(p), capacity, posix_fd, rdma, vmm) for p in physical]
         self.granularity = granularity
         self.shareable_granularity = shareable_granularity
+        self.read_only_access = read_only_access
         self.lock = threading.RLock()
         self.reservations: dict[int, int] = {}
         self.handles: dict[int, Allocation] = {}
@@ -336,6 +340,8 @@ class SimMachine:
             self._aligned(ptr, size, to=self.granularity)
             for device in devices:
                 self.check_device(device)
+            if read_only and not self.read_only_access:
+                raise _fail(Code.NOT_SUPPORTED, "read-only access is not supported here")
             starts = self._covering(ptr, size, whole=False)
             for start in starts:
                 if any(d != self.mappings[start].allocation.device for d in devices):

@@ -78,6 +78,7 @@ class GpuDriver(ABC):
         self._zeroed: dict[int, _Zeroed] = {}
         self._zeroed_starts: list[int] = []
         self._zero_handles: dict[int, int] = {}
+        self._writable_zeros: set[int] = set()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -295,12 +296,33 @@ class GpuDriver(ABC):
             for at in range(start, end, step):
                 self._map(at, step, zero)
                 done.append(at)
-            self._set_access(start, end - start, zeroed.device, read_only=True)
+            self._grant_zeros(start, end - start, zeroed.device)
         except BaseException:
             for at in reversed(done):
                 self._unmap(at, step)
             raise
         zeroed.aliased.add(start, end)
+
+    def _grant_zeros(self, ptr: int, size: int, device: int) -> None:
+        """Read access to zero aliases; read-write on a device that refuses
+        read-only access (the zeros then survive only as long as nothing
+        writes past the committed memory, which the library never does)."""
+        if device not in self._writable_zeros:
+            try:
+                self._set_access(ptr, size, device, read_only=True)
+                return
+            except OutOfMemoryError:
+                raise
+            except DriverError as exc:
+                with self._lock:
+                    self._writable_zeros.add(device)
+                warnings.warn(
+                    f"{self.backend} device {device} refused read-only access ({exc}); "
+                    f"its zero-backed reservations map their zeros read-write",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        self._set_access(ptr, size, device, read_only=False)
 
     def _unalias(self, zeroed: _Zeroed, start: int, end: int) -> None:
         """Unmap the zero granule from every granule of ``[start, end)``."""
