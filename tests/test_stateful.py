@@ -79,8 +79,11 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
             granules=st.integers(1, 3),
             extra=st.sampled_from([0, 1, 4096, granularity // 2 + 3]),
             chunked=st.booleans(),
+            zero_backed=st.booleans(),
         )
-        def create(self, num_segments: int, granules: int, extra: int, chunked: bool) -> None:
+        def create(
+            self, num_segments: int, granules: int, extra: int, chunked: bool, zero_backed: bool
+        ) -> None:
             cap = granules * granularity + extra
             self.et = ExtensibleTensor(
                 cap * num_segments,
@@ -88,6 +91,7 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
                 num_segments=num_segments,
                 driver=self.faulty,
                 chunk_bytes=granularity if chunked else None,
+                zero_backed=zero_backed,
             )
             self.base = self.et.base_ptr
             self.models = [SegmentModel() for _ in range(num_segments)]
@@ -236,6 +240,18 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
                 actual = full[offset : offset + et.bytes_per_segment].cpu().numpy()
                 assert len(model.data) == et.bytes_per_segment
                 assert np.array_equal(actual[model.known], model.data[model.known])
+
+        @invariant()
+        def uncommitted_bytes_read_zero_when_zero_backed(self) -> None:
+            if not self.alive() or not self.tensor.buffer.zero_backed:
+                return
+            buffer = self.tensor.buffer
+            full = self.tensor.full_view()
+            cursor = 0
+            for offset, size in [*buffer.mapped_runs, (buffer.size, 0)]:
+                gap = full[cursor : min(offset, full.numel())]
+                assert int(gap.count_nonzero()) == 0, (cursor, offset)
+                cursor = offset + size
 
         @invariant()
         def physical_bytes_match_the_mapped_granules(self) -> None:
