@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from extensible_kv._checks import check_bytes, check_int, round_up
-from extensible_kv.driver import Driver, OutOfMemoryError
+from extensible_kv.driver import Driver, OutOfMemoryError, drain_pools
 from extensible_kv.intervals import IntervalSet
 
 logger = logging.getLogger(__name__)
@@ -340,8 +340,9 @@ class VirtualBuffer:
 
         Returns the bytes released. Views stay valid as pointers but must not
         be touched until memory is committed again; contents are discarded.
+        A sleep: handle pools below the buffer are drained too.
         """
-        return release_together([self])
+        return release_together([self], drain=True)
 
     def release_outside(self, keep: Iterable[tuple[int, int]]) -> int:
         """Release every chunk holding no byte of ``keep`` (``(offset, size)`` pairs).
@@ -597,7 +598,8 @@ class VirtualBuffer:
             if not self._reserved:
                 return
             with self._context():
-                self.release_physical()
+                # Into a handle pool, if there is one: only a sleep drains it.
+                release_together([self])
                 self._freed = True
                 if self._views == 0:
                     self._free_reservation()
@@ -686,16 +688,23 @@ def commit_together(
         return [[(run[0][0], sum(size for _, size in run)) for run in plan] for plan in plans]
 
 
-def release_together(buffers: Sequence[VirtualBuffer]) -> int:
+def release_together(buffers: Sequence[VirtualBuffer], *, drain: bool = False) -> int:
     """Release all physical memory of several buffers; freed buffers are skipped.
 
     Unmapping is all or nothing across the buffers: if one unmap fails, every
     chunk unmapped so far is mapped back, contents intact. Then the handles
     are released; one whose release fails is kept, and released by the next
-    call that changes its buffer. Returns the bytes released.
+    call that changes its buffer. With ``drain`` (a sleep), handle pools
+    below the buffers (:class:`~extensible_kv.driver.PoolingDriver`) are
+    drained too, so every byte goes back to the driver. Returns the bytes
+    released.
     """
     with hold_locks(buffers):
-        return _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
+        released = _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
+        if drain:
+            for driver in {id(b.driver): b.driver for b in buffers}.values():
+                drain_pools(driver)
+        return released
 
 
 def release_outside_together(

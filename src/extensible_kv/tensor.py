@@ -558,7 +558,7 @@ def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:
         for tensor in tensors:
             tensor._check_alive("release_physical")
         try:
-            release_together([tensor._buffer for tensor in tensors])
+            release_together([tensor._buffer for tensor in tensors], drain=True)
         finally:
             for tensor in tensors:
                 if tensor._buffer.physical_bytes == 0:

@@ -13,6 +13,7 @@ from extensible_kv.driver.adaptors import (
 )
 from extensible_kv.driver.errors import BackendUnavailableError, DriverError, OutOfMemoryError
 from extensible_kv.driver.host import HostDriver
+from extensible_kv.driver.pool import PoolingDriver, drain_pools
 from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
 from extensible_kv.driver.select import (
     DeviceSpec,
@@ -34,8 +35,10 @@ __all__ = [
     "HostDriver",
     "LiveUsage",
     "OutOfMemoryError",
+    "PoolingDriver",
     "StatisticsDriver",
     "device_with_uuid",
+    "drain_pools",
     "get_driver",
     "parse_device",
     "unavailable_reason",

@@ -1,0 +1,215 @@
+"""PoolingDriver: released handles are reused by the next commit of their
+kind, within a cap; a sleep drains the pool; reused memory is zeroed when
+asked; nothing leaks or is released twice, whatever the sequence."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from extensible_kv import (
+    ExtensibleTensor,
+    FaultInjectingDriver,
+    PoolingDriver,
+    StatisticsDriver,
+)
+from extensible_kv.driver import Driver, DriverError, drain_pools
+from extensible_kv.kv import KVCacheBuffers
+
+
+def test_a_released_handle_serves_the_next_create_of_its_kind(stats: StatisticsDriver) -> None:
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=2 * g)
+    with pool.context(0):
+        first = pool.create(g, 0, False)
+        pool.release(first)
+        assert pool.idle_bytes == g
+        assert stats.live.handles == 1, "kept, not released to the driver"
+        assert pool.create(g, 0, False) == first
+        assert (pool.hits, pool.misses) == (1, 1)
+        other = pool.create(2 * g, 0, False)
+        assert other != first
+        assert pool.misses == 2, "another size is another kind"
+        pool.release(first)
+        pool.release(other)
+        assert pool.idle_bytes == g, "the cap keeps 2 granules: the larger went to the driver"
+        assert pool.drain() == g
+        assert pool.idle_bytes == 0
+    assert stats.live.handles == 0
+
+
+def test_a_handle_released_while_mapped_goes_to_the_driver(stats: StatisticsDriver) -> None:
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats)
+    with pool.context(0):
+        ptr = pool.reserve(g, g)
+        handle = pool.create(g, 0, False)
+        pool.map(ptr, g, handle)
+        pool.release(handle)  # the memory goes once unmapped
+        assert pool.idle_handles == 0
+        pool.unmap(ptr, g)
+        pool.free_reserved(ptr, g)
+    assert stats.live.handles == 0
+
+
+def test_reused_memory_is_zeroed_when_the_commit_asks(driver: Driver, device: str) -> None:
+    g = driver.granularity(0, False)
+    pool = PoolingDriver(driver)
+    assert pool.zeroes_new_memory is False
+    tensor = ExtensibleTensor(4 * g, device, driver=pool, chunk_bytes=g)
+    tensor.resize_per_segment_(4 * g, zero_new=True)
+    tensor.full_view().fill_(9)
+    tensor.shrink_per_segment_(g)
+    assert pool.idle_bytes == 3 * g, "trimmed granules wait in the pool"
+    tensor.resize_per_segment_(4 * g, zero_new=True)
+    assert pool.hits == 3
+    assert pool.idle_bytes == 0
+    full = tensor.full_view()
+    assert bool((full[:g] == 9).all())
+    assert int(full[g:].count_nonzero()) == 0
+    del full
+    tensor.free()
+    assert pool.idle_bytes == 4 * g, "free returns the memory to the pool"
+    drain_pools(pool)
+
+
+def test_a_sleep_gives_every_byte_back_and_free_feeds_the_pool(stats: StatisticsDriver) -> None:
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=64 * g)
+    tensors = [ExtensibleTensor(2 * g, "cpu", driver=pool, chunk_bytes=g) for _ in range(2)]
+    cache = KVCacheBuffers([(t, g) for t in tensors], 2)
+    cache.commit(2)
+    cache.trim(1)
+    assert pool.idle_bytes == 2 * g
+    cache.release_physical()
+    assert pool.idle_bytes == 0
+    assert stats.live.handles == 0, "a sleep drains the pool"
+    cache.recommit()
+    assert stats.live.handles == 2, "one block of each tensor, as it slept"
+    cache.free()
+    assert pool.idle_bytes == 2 * g
+    assert pool.drain() == 2 * g
+
+
+def test_fill_creates_ahead_within_the_cap_and_in_the_background(
+    stats: StatisticsDriver,
+) -> None:
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=3 * g)
+    assert pool.fill(g, 5) == 3
+    assert pool.idle_bytes == 3 * g
+    pool.drain()
+    assert pool.fill_in_background(g, 2).result(timeout=60) == 2
+    tensor = ExtensibleTensor(2 * g, "cpu", driver=pool, chunk_bytes=g)
+    tensor.resize_(2 * g)
+    assert (pool.hits, pool.idle_bytes) == (2, 0), "the commit took the filled handles"
+    tensor.free()
+    pool.drain()
+
+
+def test_a_failing_release_in_a_drain_keeps_the_rest_for_a_retry(
+    stats: StatisticsDriver,
+) -> None:
+    g = stats.granularity(0, False)
+    faulty = FaultInjectingDriver(stats)
+    pool = PoolingDriver(faulty, cap_bytes=4 * g)
+    pool.fill(g, 3)
+    faulty.fail_at("release", nth=2)
+    with pytest.raises(DriverError, match="injected"):
+        pool.drain()
+    assert pool.idle_bytes == 2 * g
+    assert stats.live.handles == 2
+    assert pool.drain() == 2 * g
+    assert stats.live.handles == 0
+
+
+def test_a_negative_cap_is_refused(driver: Driver) -> None:
+    with pytest.raises(ValueError, match="cap_bytes must not be negative"):
+        PoolingDriver(driver, cap_bytes=-1)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random commits, trims, sleeps and drains of a tensor over a pool,
+    against the driver's own count of live handles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from extensible_kv import get_driver
+
+        self.stats = StatisticsDriver(get_driver("cpu"))
+        self.g = self.stats.granularity(0, False)
+        self.pool = PoolingDriver(self.stats, cap_bytes=3 * self.g)
+        self.tensor = ExtensibleTensor(6 * self.g, "cpu", driver=self.pool, chunk_bytes=self.g)
+
+    @rule(granules=st.integers(0, 6))
+    def resize(self, granules: int) -> None:
+        old = self.tensor.bytes_per_segment
+        if granules * self.g >= old:
+            self.tensor.resize_per_segment_(granules * self.g, zero_new=True)
+            grown = self.tensor.tensor[old:]
+            assert int(grown.count_nonzero()) == 0, "reused memory shows zeros"
+        else:
+            self.tensor.shrink_per_segment_(granules * self.g)
+
+    @rule()
+    def write(self) -> None:
+        self.tensor.tensor.fill_(3)
+
+    @rule()
+    def sleep(self) -> None:
+        self.tensor.release_physical()
+        assert self.pool.idle_bytes == 0
+
+    @rule()
+    def drain(self) -> None:
+        self.pool.drain()
+
+    @rule(count=st.integers(1, 4))
+    def fill(self, count: int) -> None:
+        self.pool.fill(self.g, count)
+
+    @invariant()
+    def every_handle_is_mapped_or_idle(self) -> None:
+        live = self.stats.live
+        mapped = self.tensor.physical_bytes // self.g
+        assert live.handles == mapped + self.pool.idle_handles
+        assert self.pool.idle_bytes <= self.pool.cap_bytes
+        assert live.mapped_bytes == self.tensor.physical_bytes
+
+    def teardown(self) -> None:
+        self.tensor.free()
+        self.pool.drain()
+        assert self.stats.live.handles == 0
+        assert self.stats.live.mappings == 0
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
+
+
+def test_zero_filled_commits_hide_what_reused_memory_held(driver: Driver, device: str) -> None:
+    g = driver.granularity(0, False)
+    pool = PoolingDriver(driver)
+    first = ExtensibleTensor(g, device, driver=pool)
+    first.resize_(g).fill_(5)
+    first.free()
+    second = ExtensibleTensor(g, device, driver=pool)
+    second.resize_per_segment_(g, zero_new=True)
+    assert pool.hits == 1, "the second tensor got the first one's memory"
+    assert int(second.tensor.count_nonzero()) == 0
+    second.free()
+    pool.drain()
+
+
+def test_a_failing_create_in_a_fill_keeps_what_it_made(stats: StatisticsDriver) -> None:
+    g = stats.granularity(0, False)
+    faulty = FaultInjectingDriver(stats)
+    pool = PoolingDriver(faulty, cap_bytes=4 * g)
+    faulty.fail_at("create", nth=2)
+    with pytest.raises(DriverError, match="injected"):
+        pool.fill(g, 3)
+    assert pool.idle_handles == 1
+    assert stats.live.handles == 1
+    pool.drain()
