@@ -9,7 +9,15 @@ import pytest
 
 from extensible_kv.cli import main
 
-SUITES = ("commit_vs_zeros", "growth", "sleep_wake", "view_access", "bookkeeping", "overhead")
+SUITES = (
+    "commit_vs_zeros",
+    "growth",
+    "sleep_wake",
+    "pooled_regrowth",
+    "view_access",
+    "bookkeeping",
+    "overhead",
+)  # written out: a suite dropped from the bench fails here
 
 
 def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -21,6 +29,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
         assert row["ours"]["min"] <= row["ours"]["median"] <= row["ours"]["max"]
     assert results["growth"]["reallocate_and_copy"]["ratio_to_ours"] > 0
     assert results["growth"]["cuda_core"] == "GPU only"
+    assert results["pooled_regrowth"]["ratio"] > 0
     assert results["bookkeeping"]["driver_calls_per_commit"] == pytest.approx(4, abs=0.1)
     for rows in results["overhead"].values():
         for row in rows.values():
@@ -29,3 +38,4 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "commit + zero" in out
     assert "physical overhead" in out
+    assert "pooled handles vs new" in out

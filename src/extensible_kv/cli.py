@@ -301,7 +301,7 @@ def _demo_ranks(world_size: int, settings: FlowSettings, device: torch.device, o
 
 
 def bench(args: argparse.Namespace) -> int:
-    from extensible_kv.bench import BenchPlan, run, save
+    from extensible_kv.bench import SUITES, BenchPlan, run, save
     from extensible_kv.bench.report import tables
 
     device = args.device or _best_device()
@@ -309,7 +309,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.repeats:
         plan = BenchPlan(**(vars(plan) | {"repeats": args.repeats}))
     console.print(f"[bold]extensible-kv bench[/] on [bold]{device}[/], {plan.repeats} repeats")
-    names = ("commit_vs_zeros", "growth", "sleep_wake", "view_access", "bookkeeping", "overhead")
+    names = SUITES
     with Progress(
         TextColumn("{task.description:<18}"),
         BarColumn(),

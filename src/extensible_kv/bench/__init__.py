@@ -16,6 +16,17 @@ import torch
 from extensible_kv.bench import suites
 from extensible_kv.bench.measure import MiB, warm_up
 
+#: The suites, in the order they run.
+SUITES = (
+    "commit_vs_zeros",
+    "growth",
+    "sleep_wake",
+    "pooled_regrowth",
+    "view_access",
+    "bookkeeping",
+    "overhead",
+)
+
 
 @dataclass(frozen=True)
 class BenchPlan:
@@ -27,6 +38,7 @@ class BenchPlan:
     growth_steps: int = 32
     sleep_layers: int = 8
     sleep_layer_bytes: int = 32 * MiB
+    regrow_bytes: int = 256 * MiB
     view_bytes: int = 256 * MiB
     bookkeeping_granules: int = 100_000
     bookkeeping_real_granules: int = 20_000
@@ -42,6 +54,7 @@ class BenchPlan:
                 growth_steps=8,
                 sleep_layers=2,
                 sleep_layer_bytes=4 * MiB,
+                regrow_bytes=16 * MiB,
                 view_bytes=16 * MiB,
                 bookkeeping_granules=1000,
                 bookkeeping_real_granules=200,
@@ -55,6 +68,7 @@ class BenchPlan:
                 growth_steps=64,
                 sleep_layers=32,
                 sleep_layer_bytes=64 * MiB,
+                regrow_bytes=4 << 30,
                 view_bytes=1 << 30,
             )
         return cls()
@@ -71,33 +85,24 @@ def run(
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "plan": vars(plan) | {"overhead_blocks": list(plan.overhead_blocks)},
     }
-    steps: list[tuple[str, Callable[[], Any]]] = [
-        (
-            "commit_vs_zeros",
-            lambda: suites.commit_vs_zeros(
-                device, suites.sizes_to_try(device, plan.largest_commit), plan.repeats
-            ),
+    steps: dict[str, Callable[[], Any]] = {
+        "commit_vs_zeros": lambda: suites.commit_vs_zeros(
+            device, suites.sizes_to_try(device, plan.largest_commit), plan.repeats
         ),
-        (
-            "growth",
-            lambda: suites.growth(device, plan.growth_total, plan.growth_steps, plan.repeats),
+        "growth": lambda: suites.growth(device, plan.growth_total, plan.growth_steps, plan.repeats),
+        "sleep_wake": lambda: suites.sleep_wake(
+            device, plan.sleep_layers, plan.sleep_layer_bytes, plan.repeats
         ),
-        (
-            "sleep_wake",
-            lambda: suites.sleep_wake(
-                device, plan.sleep_layers, plan.sleep_layer_bytes, plan.repeats
-            ),
+        "pooled_regrowth": lambda: suites.pooled_regrowth(device, plan.regrow_bytes, plan.repeats),
+        "view_access": lambda: suites.view_access(device, plan.view_bytes, plan.repeats),
+        "bookkeeping": lambda: suites.bookkeeping(
+            plan.bookkeeping_granules, plan.bookkeeping_real_granules
         ),
-        ("view_access", lambda: suites.view_access(device, plan.view_bytes, plan.repeats)),
-        (
-            "bookkeeping",
-            lambda: suites.bookkeeping(plan.bookkeeping_granules, plan.bookkeeping_real_granules),
-        ),
-        ("overhead", lambda: suites.overhead(device, list(plan.overhead_blocks))),
-    ]
-    for name, suite in steps:
+        "overhead": lambda: suites.overhead(device, list(plan.overhead_blocks)),
+    }
+    for name in SUITES:
         progress(name)
-        results[name] = suite()
+        results[name] = steps[name]()
     return results
 
 

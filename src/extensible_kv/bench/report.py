@@ -74,6 +74,20 @@ def tables(results: dict[str, Any]) -> list[Table]:
     )
     out.append(table)
 
+    regrow = results["pooled_regrowth"]
+    table = Table(
+        title=f"3b. grow {regrow['bytes'] // MiB} MiB back after a trim: pooled handles vs new"
+    )
+    for column in ("new from the driver", "from a warm pool", "speed-up", "pool GB/s"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        _ms(regrow["driver"]),
+        _ms(regrow["pool"]),
+        f"{regrow['ratio']:.2f}x",
+        f"{regrow['pool_GBps']:.1f}",
+    )
+    out.append(table)
+
     view = results["view_access"]
     table = Table(
         title=f"4. bandwidth kernels over {view['bytes'] // MiB} MiB: our views vs ordinary"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from extensible_kv.bench.measure import MiB, Stats, free_bytes, ratio, sync, timed
-from extensible_kv.driver import HostDriver, StatisticsDriver
+from extensible_kv.driver import HostDriver, PoolingDriver, StatisticsDriver, get_driver
 from extensible_kv.kv import (
     AttentionSpec,
     BlockMajorBackend,
@@ -230,6 +230,41 @@ def sleep_wake(device: torch.device, layers: int, layer_bytes: int, repeats: int
         "preserving_vs_per_allocation": ratio(a, p),
         "preserving_GBps": 2 * total / p.median / 1e9,
         "roof_GBps": 2 * total / r.median / 1e9,
+    }
+
+
+# 3b. regrowth through a handle pool ---------------------------------------------
+
+
+def _regrow_once(device: torch.device, total: int, pooled: bool) -> float:
+    """Seconds to grow a tensor back to ``total`` bytes (zeroed) after
+    trimming it to nothing, with its handles pooled or given back."""
+    driver = get_driver(device.type)
+    granule = driver.granularity(0, False)
+    pool = PoolingDriver(driver, cap_bytes=total) if pooled else None
+    et = ExtensibleTensor(total, device, driver=pool or driver, chunk_bytes=granule)
+    et.resize_per_segment_(total, zero_new=True)
+    et.shrink_per_segment_(0)
+    seconds = timed(functools.partial(et.resize_per_segment_, total, zero_new=True), device)
+    et.free()
+    if pool is not None:
+        pool.drain()
+    return seconds
+
+
+def pooled_regrowth(device: torch.device, total: int, repeats: int) -> Row:
+    """Grow back after a trim: handles from a warm pool against new ones
+    from the driver (the same granule-sized chunks, zeroed either way)."""
+    fresh, pooled = [], []
+    for _ in range(repeats):
+        fresh.append(_regrow_once(device, total, pooled=False))
+        pooled.append(_regrow_once(device, total, pooled=True))
+    a, b = Stats.of(fresh), Stats.of(pooled)
+    return {
+        "bytes": total,
+        **_stats_row(driver=a, pool=b),
+        "ratio": ratio(a, b),
+        "pool_GBps": total / b.median / 1e9,
     }
 
 
