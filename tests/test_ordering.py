@@ -115,3 +115,76 @@ def test_a_trim_of_many_buffers_synchronizes_once_per_batch(
     assert calls["synchronize"].calls == 2, "before copying, and before swapping"
     assert calls["reserve"].calls == len(cache.buffers), "one scratch reservation per buffer"
     cache.free()
+
+
+OTHER_STREAM = 9
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda cache: cache.trim(9),
+        lambda cache: cache.defragment(preserve=True),
+        lambda cache: (cache.release_physical(preserve=True), cache.recommit()),
+        lambda cache: cache.release_physical(),
+    ],
+    ids=["trim", "defragment-preserve", "sleep-preserve", "sleep"],
+)
+def test_stream_ordered_waits_take_the_named_streams_and_leave_the_others(
+    simulated: tuple[Driver, SimMachine], operation: object
+) -> None:
+    """A cache told its streams waits for their work only: the writer on a
+    named stream is done before any copy or unmap, while another stream's
+    work elsewhere on the device is still running after the operation."""
+    driver, machine = simulated
+    g = driver.granularity(0, False)
+    stats = StatisticsDriver(driver)
+    cache = cache_of(stats, g // 4 + 512, chunk_bytes=g)
+    cache.wait_for_streams([SIDE_STREAM])
+    cache.commit(40)
+    first_block(cache).fill_(1)
+    elsewhere = ExtensibleTensor(g, "cpu", driver=driver)
+    elsewhere.resize_(g)
+    machine.launch(elsewhere.tensor.data_ptr(), 64, 4, stream=OTHER_STREAM)
+    write_in_flight(machine, first_block(cache), 9)
+    stats.reset_calls()
+    operation(cache)  # type: ignore[operator]
+    assert machine.sticky is None
+    assert [k.stream for k in machine.pending] == [OTHER_STREAM], "the other work still runs"
+    assert any(k.stream == SIDE_STREAM for k in machine.completed)
+    assert stats.calls["synchronize"].calls == 0, "no device-wide synchronize"
+    assert stats.calls["synchronize_streams"].calls >= 1
+    if cache.num_blocks_committed:
+        assert first_block(cache).eq(9).all(), "the copy ran before the named stream's write"
+    machine.synchronize(0)
+    cache.free()
+    elsewhere.free()
+    assert machine.empty()
+
+
+def test_the_device_wide_wait_comes_back_with_none(simulated: tuple[Driver, SimMachine]) -> None:
+    driver, machine = simulated
+    g = driver.granularity(0, False)
+    stats = StatisticsDriver(driver)
+    cache = cache_of(stats, g // 4 + 512)
+    cache.wait_for_streams([SIDE_STREAM])
+    cache.wait_for_streams(None)
+    cache.commit(8)
+    machine.launch(first_block(cache).data_ptr(), 64, 2, stream=OTHER_STREAM)
+    stats.reset_calls()
+    cache.release_physical()
+    assert stats.calls["synchronize"].calls >= 1
+    assert not machine.pending
+    cache.free()
+
+
+def test_stream_handles_accept_ints_and_objects_with_a_cuda_stream() -> None:
+    class FakeStream:  # LABELLED stand-in: torch.cuda.Stream needs a GPU here
+        cuda_stream = 0x5EED
+
+    et = ExtensibleTensor(1 << 21, "cpu")
+    et.wait_for_streams([3, FakeStream()])
+    assert et.buffer.wait_streams == (3, 0x5EED)
+    et.wait_for_streams(None)
+    assert et.buffer.wait_streams is None
+    et.free()

@@ -124,6 +124,9 @@ class VirtualBuffer:
         self.granularity = granularity
         self.chunk_bytes = chunk_bytes
         self.zero_backed = zero_backed
+        #: Streams whose work a release waits for (driver stream handles);
+        #: None waits for the whole device.
+        self.wait_streams: tuple[int, ...] | None = None
         self.size = round_up(max(size, 1), granularity)
         # Aligned to the granularity of what will be mapped here: shareable
         # and RDMA-capable memory may have a coarser one than the driver's
@@ -777,19 +780,29 @@ def swap_in_together(
 
 def synchronize_buffers(buffers: Iterable[VirtualBuffer]) -> None:
     """Wait until no work queued on the devices of ``buffers`` can still
-    touch them, waiting for each device once.
+    touch them: for the whole device, or for the streams the buffers name
+    (:attr:`VirtualBuffer.wait_streams`), once per device.
 
     Unmapping does not wait for kernels still reading the memory, and a copy
     issued on one stream is not ordered after writers on others: this is
     the wait both need. One wait per device covers every buffer on it (a
-    cache has one per layer).
+    cache has one per layer). A device where any buffer names no streams is
+    synchronized whole.
     """
-    waited: set[tuple[int, int]] = set()
+    waits: dict[tuple[int, int], tuple[VirtualBuffer, set[int] | None]] = {}
     for buffer in buffers:
         key = (id(buffer.driver), buffer.device)
-        if key not in waited:
-            waited.add(key)
+        _, streams = waits.get(key, (buffer, set()))
+        if streams is not None and buffer.wait_streams is not None:
+            streams = streams | set(buffer.wait_streams)
+        else:
+            streams = None
+        waits[key] = (buffer, streams)
+    for buffer, streams in waits.values():
+        if streams is None:
             buffer.driver.synchronize(buffer.device)
+        else:
+            buffer.driver.synchronize_streams(buffer.device, sorted(streams))
 
 
 def _release_chunks(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -122,6 +122,14 @@ def _importing_device(
             f"here is {found}; pass device=None to find it"
         )
     return here, driver
+
+
+def stream_handles(streams: Iterable[Any] | None) -> tuple[int, ...] | None:
+    """Driver handles of ``streams`` (``torch.cuda.Stream`` objects or ints);
+    None stays None (the whole device)."""
+    if streams is None:
+        return None
+    return tuple(int(getattr(stream, "cuda_stream", stream)) for stream in streams)
 
 
 class ExtensibleTensor:
@@ -359,6 +367,18 @@ class ExtensibleTensor:
         (device copies on the current stream)."""
         for offset, size, at in staging.places:
             as_tensor(staging.scratch, at, size).copy_(as_tensor(self._buffer, offset, size))
+
+    def wait_for_streams(self, streams: Iterable[Any] | None) -> None:
+        """What a release, trim, defragment or copy of this tensor waits for.
+
+        None (the default): every stream of the device (a device-wide
+        synchronize). Otherwise the work queued so far on ``streams`` only
+        (``torch.cuda.Stream`` objects or driver stream handles), so work
+        elsewhere on the device is not waited for. Name every stream that
+        reads or writes the memory, the one committing it included: work on
+        a stream left out may still run when its memory is unmapped.
+        """
+        self._buffer.wait_streams = stream_handles(streams)
 
     def release_physical(self) -> None:
         """Release all physical memory, keeping the address range and views.

@@ -177,6 +177,12 @@ class SimCuda(_Bindings):
             "cuCtxSynchronize", (), lambda: self.machine.synchronize(self.current_device()), 0
         )
 
+    def cuStreamSynchronize(self, stream: Any) -> Any:
+        def body() -> None:
+            self.machine.synchronize(self.current_device(), int(stream))
+
+        return self._call("cuStreamSynchronize", (stream,), body, 0)
+
     # -- memory -----------------------------------------------------------------
 
     def _read_prop(self, prop: Any) -> tuple[int, bool, bool]:
@@ -390,6 +396,12 @@ class SimHip(_Bindings):
         return self._call(
             "hipDeviceSynchronize", (), lambda: self.machine.synchronize(self.current_device()), 0
         )
+
+    def hipStreamSynchronize(self, stream: int) -> Any:
+        def body() -> None:
+            self.machine.synchronize(self.current_device(), int(stream))
+
+        return self._call("hipStreamSynchronize", (stream,), body, 0)
 
     def _read_prop(self, prop: Any) -> tuple[int, bool, bool]:
         """(device, POSIX fd asked for, RDMA asked for), read from the C struct;

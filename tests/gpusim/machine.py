@@ -429,11 +429,16 @@ class SimMachine:
                 raise self._die("kernel wrote read-only memory")
             self.pending.append(Kernel(device, stream, ptr, size, value))
 
-    def synchronize(self, device: int) -> None:
-        """Complete every kernel queued on ``device``, on every stream."""
+    def synchronize(self, device: int, stream: int | None = None) -> None:
+        """Complete every kernel queued on ``device``, on every stream or on
+        ``stream`` only."""
         with self.lock:
-            done = [k for k in self.pending if k.device == device]
-            self.pending = [k for k in self.pending if k.device != device]
+
+            def due(k: Kernel) -> bool:
+                return k.device == device and stream in (None, k.stream)
+
+            done = [k for k in self.pending if due(k)]
+            self.pending = [k for k in self.pending if not due(k)]
             for kernel in done:
                 ctypes.memset(kernel.ptr, kernel.value, kernel.size)
                 self.completed.append(kernel)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -327,6 +327,7 @@ class NullDriver:
     def unmap(self, ptr: int, size: int) -> None: ...
     def set_access(self, ptr: int, size: int, device: int) -> None: ...
     def synchronize(self, device: int) -> None: ...
+    def synchronize_streams(self, device: int, streams: Sequence[int]) -> None: ...
     def export_handle(self, handle: int) -> int:
         raise NotImplementedError("the null driver shares nothing")
 

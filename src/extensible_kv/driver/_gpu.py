@@ -12,6 +12,7 @@ import logging
 import threading
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,6 +198,14 @@ class GpuDriver(ABC):
 
     @abstractmethod
     def synchronize(self, device: int) -> None: ...
+
+    @abstractmethod
+    def _synchronize_stream(self, stream: int) -> None: ...
+
+    def synchronize_streams(self, device: int, streams: Sequence[int]) -> None:
+        with self.context(device):
+            for stream in streams:
+                self._synchronize_stream(stream)
 
     @abstractmethod
     def release(self, handle: int) -> None: ...

@@ -16,6 +16,7 @@ import bisect
 import errno
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -79,6 +80,9 @@ class DriverAdaptor:
 
     def synchronize(self, device: int) -> None:
         self._call("synchronize", device)
+
+    def synchronize_streams(self, device: int, streams: Sequence[int]) -> None:
+        self._call("synchronize_streams", device, streams)
 
     def export_handle(self, handle: int) -> int:
         return int(self._call("export_handle", handle))

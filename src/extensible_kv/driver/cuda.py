@@ -124,6 +124,9 @@ class CudaDriver(GpuDriver):
         with self.context(device):
             self._check("cuCtxSynchronize", self._b.cuCtxSynchronize())
 
+    def _synchronize_stream(self, stream: int) -> None:
+        self._check("cuStreamSynchronize", self._b.cuStreamSynchronize(self._b.CUstream(stream)))
+
     # -- structs ----------------------------------------------------------------
 
     def _location(self, target: Any, device: int) -> None:

@@ -130,6 +130,9 @@ class HipDriver(GpuDriver):
         with self.context(device):
             self._check("hipDeviceSynchronize", self._b.hipDeviceSynchronize())
 
+    def _synchronize_stream(self, stream: int) -> None:
+        self._check("hipStreamSynchronize", self._b.hipStreamSynchronize(stream))
+
     # -- structs ----------------------------------------------------------------
 
     def _location(self, target: Any, device: int) -> None:

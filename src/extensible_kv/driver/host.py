@@ -30,6 +30,7 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,10 @@ class HostDriver:
     def synchronize(self, device: int) -> None:
         """Host memory operations are synchronous: nothing to wait for."""
         self._check_device("synchronize", device)
+
+    def synchronize_streams(self, device: int, streams: Sequence[int]) -> None:
+        """The host has no streams: nothing to wait for."""
+        self._check_device("synchronize_streams", device)
 
     def reserve(self, size: int, alignment: int) -> int:
         return self._reserve("reserve", size, alignment, _libc.PROT_NONE)

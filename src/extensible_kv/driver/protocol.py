@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -17,6 +18,7 @@ DRIVER_CALLS: tuple[str, ...] = (
     "map",
     "set_access",
     "synchronize",
+    "synchronize_streams",
     "unmap",
     "release",
     "free_reserved",
@@ -46,8 +48,8 @@ class Driver(Protocol):
       covers read as zeros and fault on write; ``map`` replaces the zeros
       it covers, and ``unmap`` covers exactly one mapping and puts them back;
     * calls that name a device (``granularity``, ``create``, ``set_access``,
-      ``synchronize``, ``device_uuid``, ``reserve_zeroed``) make its context
-      current themselves;
+      ``synchronize``, ``synchronize_streams``, ``device_uuid``,
+      ``reserve_zeroed``) make its context current themselves;
       the others (``reserve``, ``free_reserved``, ``map``, ``unmap``,
       ``release``, ``export_handle``, ``import_handle``) need the context of
       the device they concern current on the calling thread: wrap them in
@@ -124,6 +126,12 @@ class Driver(Protocol):
 
     def synchronize(self, device: int) -> None:
         """Wait until no work queued on ``device`` can still touch its memory."""
+        ...
+
+    def synchronize_streams(self, device: int, streams: Sequence[int]) -> None:
+        """Wait for the work queued so far on each of ``streams`` (the
+        driver's stream handles, e.g. ``torch.cuda.Stream.cuda_stream``) of
+        ``device``; work on its other streams is not waited for."""
         ...
 
     def export_handle(self, handle: int) -> int:

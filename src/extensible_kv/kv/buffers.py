@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ from extensible_kv.tensor import (
     remap_per_segment_all,
     resize_per_segment_all,
     shrink_per_segment_all,
+    stream_handles,
 )
 
 _P = ParamSpec("_P")
@@ -105,6 +106,7 @@ class KVCacheBuffers:
         self._queue: ThreadPoolExecutor | None = None
         self._queued: Future[CommitTicket] | None = None
         self._commit_stream: torch.cuda.Stream | None = None
+        self._wait_streams: tuple[int, ...] | None = None
         self._closing = False
         self._freed = False
         for buffer, bytes_per_block in buffers:
@@ -248,6 +250,28 @@ class KVCacheBuffers:
             [(buffer, self._committed * per_block) for buffer, per_block in items], zero_new=True
         )
         self.buffers.extend(items)
+        self._apply_wait_streams()
+
+    def wait_for_streams(self, streams: Iterable[Any] | None) -> None:
+        """What releases, trims, defragments and sleeps wait for.
+
+        None (the default): the whole device. Otherwise the work queued so
+        far on ``streams`` (``torch.cuda.Stream`` objects or driver stream
+        handles), and on the cache's own :meth:`commit_async` stream: an
+        engine's work on other streams, or another engine's on the same GPU,
+        is not waited for. Name every stream that reads or writes the cache,
+        the ones it commits from included: work on a stream left out may
+        still run when its memory is unmapped.
+        """
+        self._wait_streams = stream_handles(streams)
+        self._apply_wait_streams()
+
+    def _apply_wait_streams(self) -> None:
+        handles = self._wait_streams
+        if handles is not None and self._commit_stream is not None:
+            handles = (*handles, int(self._commit_stream.cuda_stream))
+        for buffer, _ in self.buffers:
+            buffer.buffer.wait_streams = handles
 
     @_serialized
     def commit(self, num_blocks: int, defragment: bool = False) -> None:
@@ -441,6 +465,7 @@ class KVCacheBuffers:
                 return CommitTicket(num_blocks, None, device)
             if self._commit_stream is None:
                 self._commit_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                self._apply_wait_streams()
             with torch.cuda.stream(self._commit_stream):
                 self._commit(num_blocks)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
