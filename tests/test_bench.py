@@ -28,7 +28,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
         assert row["ratio"] > 0
         assert row["ours"]["min"] <= row["ours"]["median"] <= row["ours"]["max"]
     assert results["growth"]["reallocate_and_copy"]["ratio_to_ours"] > 0
-    assert results["growth"]["cuda_core"] == "GPU only"
+    assert results["growth"]["gpu_peers"] == "GPU only"
     assert results["pooled_regrowth"]["ratio"] > 0
     assert results["bookkeeping"]["driver_calls_per_commit"] == pytest.approx(4, abs=0.1)
     for rows in results["overhead"].values():
@@ -39,3 +39,15 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert "commit + zero" in out
     assert "physical overhead" in out
     assert "pooled handles vs new" in out
+
+
+def test_the_expandable_segments_peer_runs_in_a_process_of_its_own() -> None:
+    """The subprocess plumbing of the GPU-only peer, run on the host (where
+    the allocator setting does nothing): one positive time per step."""
+    import torch
+
+    from extensible_kv.bench.suites import _grow_expandable_segments
+
+    costs = _grow_expandable_segments(torch.device("cpu"), 8 << 20, 4)
+    assert len(costs) == 4
+    assert all(cost > 0 for cost in costs)

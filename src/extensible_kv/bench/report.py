@@ -32,7 +32,7 @@ def tables(results: dict[str, Any]) -> list[Table]:
     growth = results["growth"]
     table = Table(
         title=f"2. growth to {growth['total_bytes'] // MiB} MiB in {growth['steps']} steps "
-        f"(cuda.core: {growth['cuda_core']})"
+        f"(GPU peers: cuda.core, expandable segments: {growth['gpu_peers']})"
     )
     for column in (
         "who",

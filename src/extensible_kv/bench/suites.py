@@ -6,6 +6,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -124,6 +128,40 @@ def _grow_cuda_core(device: torch.device, total: int, steps: int) -> list[float]
     return [costs[0], *costs]
 
 
+_EXPANDABLE_GROWTH = """
+import json, sys, time, torch
+device, total, steps = torch.device(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+step, held, costs = total // steps, [], []
+def sync():
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+for _ in range(steps):
+    sync()
+    start = time.perf_counter()
+    held.append(torch.empty(step, dtype=torch.uint8, device=device))
+    sync()
+    costs.append(time.perf_counter() - start)
+print(json.dumps(costs))
+"""
+
+
+def _grow_expandable_segments(device: torch.device, total: int, steps: int) -> list[float]:
+    """PyTorch's expandable segments, in a process of their own (the
+    allocator reads its configuration once): a list of tensors growing by
+    one step each time, which maps more memory into the segment."""
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    done = subprocess.run(
+        [sys.executable, "-c", _EXPANDABLE_GROWTH, str(device), str(total), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    costs: list[float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return costs
+
+
 def growth(device: torch.device, total: int, steps: int, repeats: int) -> Row:
     contenders: dict[str, Callable[[torch.device, int, int], list[float]]] = {
         "ours": _grow_ours,
@@ -137,6 +175,13 @@ def growth(device: torch.device, total: int, steps: int, repeats: int) -> Row:
             contenders["cuda_core_modify_allocation"] = _grow_cuda_core
         except Exception as exc:
             skipped = f"cuda.core not usable here: {type(exc).__name__}: {exc}"
+        try:
+            _grow_expandable_segments(device, 4 * steps * MiB, steps)
+            contenders["torch_expandable_segments"] = _grow_expandable_segments
+        except Exception as exc:
+            skipped = (skipped + "; " if skipped else "") + (
+                f"expandable segments not measured: {type(exc).__name__}: {exc}"
+            )
     marks = {"quarter": steps // 4, "half": steps // 2, "full": steps}
     totals: dict[str, list[float]] = {name: [] for name in contenders}
     per_step: dict[str, dict[str, list[float]]] = {
@@ -149,7 +194,7 @@ def growth(device: torch.device, total: int, steps: int, repeats: int) -> Row:
             for mark, k in marks.items():
                 per_step[name][mark].append(costs[k - 1])
     ours = Stats.of(totals["ours"])
-    row: Row = {"total_bytes": total, "steps": steps, "cuda_core": skipped or "measured"}
+    row: Row = {"total_bytes": total, "steps": steps, "gpu_peers": skipped or "measured"}
     for name in contenders:
         whole = Stats.of(totals[name])
         row[name] = {
