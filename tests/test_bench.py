@@ -13,6 +13,7 @@ SUITES = (
     "commit_vs_zeros",
     "growth",
     "sleep_wake",
+    "release_beside_work",
     "pooled_regrowth",
     "view_access",
     "bookkeeping",
@@ -30,6 +31,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert results["growth"]["reallocate_and_copy"]["ratio_to_ours"] > 0
     assert results["growth"]["gpu_peers"] == "GPU only"
     assert results["pooled_regrowth"]["ratio"] > 0
+    assert results["release_beside_work"] == {"skipped": "GPU only"}
     assert results["bookkeeping"]["driver_calls_per_commit"] == pytest.approx(4, abs=0.1)
     for rows in results["overhead"].values():
         for row in rows.values():

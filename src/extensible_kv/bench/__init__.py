@@ -21,6 +21,7 @@ SUITES = (
     "commit_vs_zeros",
     "growth",
     "sleep_wake",
+    "release_beside_work",
     "pooled_regrowth",
     "view_access",
     "bookkeeping",
@@ -91,6 +92,9 @@ def run(
         ),
         "growth": lambda: suites.growth(device, plan.growth_total, plan.growth_steps, plan.repeats),
         "sleep_wake": lambda: suites.sleep_wake(
+            device, plan.sleep_layers, plan.sleep_layer_bytes, plan.repeats
+        ),
+        "release_beside_work": lambda: suites.release_beside_work(
             device, plan.sleep_layers, plan.sleep_layer_bytes, plan.repeats
         ),
         "pooled_regrowth": lambda: suites.pooled_regrowth(device, plan.regrow_bytes, plan.repeats),

@@ -74,6 +74,17 @@ def tables(results: dict[str, Any]) -> list[Table]:
     )
     out.append(table)
 
+    beside = results["release_beside_work"]
+    table = Table(title="3a. a release while another stream works: device-wide vs stream-ordered")
+    if "skipped" in beside:
+        table.add_column("not measured")
+        table.add_row(beside["skipped"])
+    else:
+        for column in ("device-wide wait", "its own stream only", "faster by"):
+            table.add_column(column, justify="right")
+        table.add_row(_ms(beside["device_wide"]), _ms(beside["streams"]), f"{beside['ratio']:.1f}x")
+    out.append(table)
+
     regrow = results["pooled_regrowth"]
     table = Table(
         title=f"3b. grow {regrow['bytes'] // MiB} MiB back after a trim: pooled handles vs new"

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -275,6 +276,45 @@ def sleep_wake(device: torch.device, layers: int, layer_bytes: int, repeats: int
         "preserving_vs_per_allocation": ratio(a, p),
         "preserving_GBps": 2 * total / p.median / 1e9,
         "roof_GBps": 2 * total / r.median / 1e9,
+    }
+
+
+# 3a. a release beside other work ------------------------------------------------
+
+
+def _release_beside(device: torch.device, layers: int, layer_bytes: int, streams: bool) -> float:
+    """Seconds a release takes while another stream runs about half a
+    second of work; the cache waits for the whole device or for its own
+    (the current) stream."""
+    cache = _kv_cache(device, layers, layer_bytes)
+    if streams:
+        cache.wait_for_streams([torch.cuda.current_stream(device)])
+    torch.cuda.synchronize(device)
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1 << 30)  # type: ignore[no-untyped-call]
+    start = time.perf_counter()
+    cache.release_physical()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    cache.free()
+    return seconds
+
+
+def release_beside_work(device: torch.device, layers: int, layer_bytes: int, repeats: int) -> Row:
+    """A release while other work runs on the device: the device-wide wait
+    against the stream-ordered one (``wait_for_streams``)."""
+    if device.type != "cuda":
+        return {"skipped": "GPU only"}
+    whole, ordered = [], []
+    for _ in range(repeats):
+        whole.append(_release_beside(device, layers, layer_bytes, streams=False))
+        ordered.append(_release_beside(device, layers, layer_bytes, streams=True))
+    a, b = Stats.of(whole), Stats.of(ordered)
+    return {
+        "bytes": layers * layer_bytes,
+        **_stats_row(device_wide=a, streams=b),
+        "ratio": ratio(a, b),
     }
 
 
