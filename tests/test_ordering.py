@@ -11,12 +11,16 @@ import socket
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from conftest import SIMULATORS
 from extensible_kv import ExtensibleTensor, StatisticsDriver
 from extensible_kv.driver import Driver
 from extensible_kv.kv import KVCacheBuffers
 from extensible_kv.share import receive_tensor, send_tensor
-from gpusim import SimMachine
+from gpusim import SimMachine, sim_driver
 
 SIDE_STREAM = 7
 
@@ -188,3 +192,73 @@ def test_stream_handles_accept_ints_and_objects_with_a_cuda_stream() -> None:
     et.wait_for_streams(None)
     assert et.buffer.wait_streams is None
     et.free()
+
+
+class StreamOrderedMachine(RuleBasedStateMachine):
+    """Random commits, trims, defragments and sleeps of a cache told its
+    stream, with kernels in flight on it and, over other memory, on another
+    stream: no unmap ever lands under a kernel of the named stream (the
+    simulator's sticky illegal address), and the other stream's work is
+    never waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.machine = SimMachine()
+        driver, _ = sim_driver(SIMULATORS[0], self.machine)
+        self.g = driver.granularity(0, False)
+        self.cache = cache_of(driver, self.g // 4 + 512, chunk_bytes=self.g)
+        self.cache.wait_for_streams([SIDE_STREAM])
+        self.elsewhere = ExtensibleTensor(self.g, "cpu", driver=driver)
+        self.elsewhere.resize_(self.g)
+
+    @rule(blocks=st.integers(0, 64))
+    def commit(self, blocks: int) -> None:
+        if not self.cache.released:
+            self.cache.commit(blocks)
+
+    @rule(blocks=st.integers(0, 64))
+    def trim(self, blocks: int) -> None:
+        if not self.cache.released:
+            self.cache.trim(min(blocks, self.cache.num_blocks_committed))
+
+    @rule(preserve=st.booleans())
+    def defragment(self, preserve: bool) -> None:
+        if not self.cache.released:
+            self.cache.defragment(preserve=preserve)
+
+    @rule(preserve=st.booleans())
+    def sleep(self, preserve: bool) -> None:
+        self.cache.release_physical(preserve=preserve)
+
+    @rule()
+    def wake(self) -> None:
+        self.cache.recommit()
+
+    @rule(value=st.integers(1, 255))
+    def launch_named(self, value: int) -> None:
+        if not self.cache.released and self.cache.num_blocks_committed:
+            write_in_flight(self.machine, first_block(self.cache), value)
+
+    @rule()
+    def launch_other(self) -> None:
+        self.machine.launch(self.elsewhere.tensor.data_ptr(), 64, 1, stream=OTHER_STREAM)
+
+    @invariant()
+    def no_unmap_under_a_named_kernel(self) -> None:
+        assert self.machine.sticky is None
+
+    @invariant()
+    def other_work_is_never_waited_for(self) -> None:
+        assert not any(k.stream == OTHER_STREAM for k in self.machine.completed)
+
+    def teardown(self) -> None:
+        self.machine.synchronize(0)
+        self.cache.free()
+        self.elsewhere.free()
+        assert self.machine.empty()
+
+
+TestStreamOrderedMachine = pytest.mark.skipif(not SIMULATORS, reason="no simulator bindings")(
+    StreamOrderedMachine.TestCase
+)
+TestStreamOrderedMachine.settings = settings(max_examples=30, stateful_step_count=15, deadline=None)

@@ -14,6 +14,9 @@ After every step it checks docs/design.md section 7:
    with a driver fault armed, and must then either complete or leave the
    tensor as it was (the model accepts those two outcomes and no other);
 8. the address range outlives every view.
+
+A tensor may sit on a handle pool (``PoolingDriver``) above the faults:
+then freed memory may wait in the pool, and a release drains it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from extensible_kv import ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
+from extensible_kv import (
+    ExtensibleTensor,
+    FaultInjectingDriver,
+    PoolingDriver,
+    StatisticsDriver,
+)
 from extensible_kv.driver import Driver, LiveUsage
 from faults import Fault, attempt, fault_strategy
 
@@ -65,6 +73,7 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
             self.stats = StatisticsDriver(driver)
             self.faulty = FaultInjectingDriver(self.stats)
             self.et: ExtensibleTensor | None = None
+            self.pool: PoolingDriver | None = None
             self.views: list[torch.Tensor] = []
 
         def settle(self, old: int, new: int) -> int:
@@ -80,16 +89,26 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
             extra=st.sampled_from([0, 1, 4096, granularity // 2 + 3]),
             chunked=st.booleans(),
             zero_backed=st.booleans(),
+            pooled=st.booleans(),
         )
         def create(
-            self, num_segments: int, granules: int, extra: int, chunked: bool, zero_backed: bool
+            self,
+            num_segments: int,
+            granules: int,
+            extra: int,
+            chunked: bool,
+            zero_backed: bool,
+            pooled: bool,
         ) -> None:
             cap = granules * granularity + extra
+            if self.pool is not None:
+                self.pool.drain()
+            self.pool = PoolingDriver(self.faulty, cap_bytes=4 * granularity) if pooled else None
             self.et = ExtensibleTensor(
                 cap * num_segments,
                 device,
                 num_segments=num_segments,
-                driver=self.faulty,
+                driver=self.pool or self.faulty,
                 chunk_bytes=granularity if chunked else None,
                 zero_backed=zero_backed,
             )
@@ -279,7 +298,9 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
                 return
             live = self.stats.live
             if self.freed:
-                assert live.handles == live.mappings == 0
+                idle = self.pool.idle_handles if self.pool is not None else 0
+                assert live.handles == idle, "freed memory is gone, or idle in the pool"
+                assert live.mappings == 0
                 expected = 1 if self.views else 0
                 assert live.reservations == expected, "the range must outlive every view"
             else:
@@ -290,6 +311,8 @@ def make_machine(device: str, driver: Driver) -> type[RuleBasedStateMachine]:
         def teardown(self) -> None:
             if self.et is not None:
                 self.et.free()
+            if self.pool is not None:
+                self.pool.drain()
             self.views.clear()
             assert self.stats.live == LiveUsage()
 

@@ -772,7 +772,12 @@ def _remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
             if done:
                 tensor._bytes_per_segment = size
             kept = ranges if done else before
-            remapped = tensor._buffer.chunks != layout
+            # By identity: memory mapped again is a new Chunk, even when a
+            # handle pool gave the same handle back for the same place.
+            now = tensor._buffer.chunks
+            remapped = len(now) != len(layout) or any(
+                a is not b for a, b in zip(now, layout, strict=True)
+            )
             backed = all(sum(n for _, n in tensor._buffer.mapped_in(*r)) == r[1] for r in kept)
             if remapped and backed and not tensor._buffer.driver.zeroes_new_memory:
                 tensor._zero(kept)
