@@ -396,3 +396,28 @@ def test_a_compiled_decode_step_is_one_graph_replayed_as_the_cache_grows(
     assert int(layer.keys[:, :, held:].count_nonzero()) == 0, "past the tokens: zeros"
     assert int(layer.keys[:, :, :held].count_nonzero()) > 0
     cache.free()
+
+
+def test_prepare_commits_ahead_for_a_step_captured_by_hand() -> None:
+    """A step captured by hand replays without its host side: prepare(n)
+    commits n positions from the host, for layers made later too."""
+    from extensible_kv.driver.host import HostDriver
+
+    model = model_of("llama-mha")
+    ids, mask = prompts(1)
+    # 4 KiB granules hold 32 tokens of 128 bytes (4 heads of 8 floats).
+    cache = ExtensibleCache(
+        max_cache_len=64, config=model.config, static_shapes=True, driver=HostDriver(4096)
+    )
+    with pytest.raises(ValueError, match="num_tokens must be 0 to max_cache_len=64"):
+        cache.prepare(65)
+    cache.prepare(20)
+    assert cache.physical_bytes == 0, "no layer is made before the first token"
+    generate(model, cache, ids, mask, max_new_tokens=2)
+    tensors = 2 * model.config.num_hidden_layers
+    assert cache.physical_bytes == tensors * 4096, "20 positions: 1 granule a tensor"
+    cache.prepare(40)
+    assert cache.physical_bytes == tensors * 2 * 4096, "40 positions: 2 granules a tensor"
+    cache.reset()
+    assert cache.physical_bytes == 0
+    cache.free()

@@ -50,6 +50,8 @@ class _Lockstep:
         #: Positions every layer holds, counted on the host for committing;
         #: ``length`` counts them on the device for a compiled step.
         self.tokens = 0
+        #: Positions committed ahead by ExtensibleCache.prepare.
+        self.prepared = 0
         self.length: torch.Tensor | None = None
 
     def length_on(self, device: torch.device) -> torch.Tensor:
@@ -69,8 +71,7 @@ class _Lockstep:
                 f"the cache holds max_cache_len={self.buffers.num_blocks_capacity} tokens; "
                 f"{end} do not fit (make the cache with a larger max_cache_len)"
             )
-        if self.buffers.buffers:
-            self.ensure(end)
+        self.ensure(end)
         self.tokens = end
 
     def set_tokens(self, num_tokens: int) -> None:
@@ -86,7 +87,7 @@ class _Lockstep:
         memory is mapped anyway, and the steps that follow then find their
         positions committed without a call.
         """
-        if num_tokens <= self.buffers.num_blocks_committed:
+        if num_tokens <= self.buffers.num_blocks_committed or not self.buffers.buffers:
             return
         fits = min(
             round_up(num_tokens * row, buffer.buffer.granularity) // row
@@ -321,7 +322,7 @@ class ExtensibleStaticLayer(ExtensibleLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._lockstep.ensure(self._lockstep.tokens)
+        self._lockstep.ensure(max(self._lockstep.tokens, self._lockstep.prepared))
         # Shared by every layer: one count of positions, on the device, which
         # a compiled step reads instead of specializing on a Python int.
         self._length = self._lockstep.length_on(self.device)
@@ -470,6 +471,25 @@ class ExtensibleCache(Cache):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return keys, values
 
+    def prepare(self, num_tokens: int) -> None:
+        """Commit memory for the first ``num_tokens`` positions of every
+        layer now, from the host (``static_shapes`` caches).
+
+        generate's own compile needs none of this: its compiled step
+        commits as it goes. A step captured by hand (``torch.cuda.graph``)
+        replays without its host side, so it cannot commit: call this before
+        capturing, and again before replays that go past it (after a
+        :meth:`reset` or a sleep too). Layers not made yet commit it when
+        they are.
+        """
+        check_int("num_tokens", num_tokens)
+        if not 0 <= num_tokens <= self.max_cache_len:
+            raise ValueError(
+                f"num_tokens must be 0 to max_cache_len={self.max_cache_len}, got {num_tokens}"
+            )
+        self._lockstep.prepared = num_tokens
+        self._lockstep.ensure(num_tokens)
+
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
         if self.static_shapes:
@@ -494,6 +514,7 @@ class ExtensibleCache(Cache):
         """Forget every token and give their memory back; addresses stay."""
         super().reset()
         self._lockstep.set_tokens(0)
+        self._lockstep.prepared = 0
         if not self.buffers.released:
             self.buffers.trim(0)
 
