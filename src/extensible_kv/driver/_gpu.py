@@ -140,7 +140,7 @@ class GpuDriver(ABC):
         return None
 
     @abstractmethod
-    def _reserve(self, size: int, alignment: int) -> int: ...
+    def reserve(self, size: int, alignment: int) -> int: ...
 
     @abstractmethod
     def _free_reserved(self, ptr: int, size: int) -> None: ...
@@ -246,9 +246,6 @@ class GpuDriver(ABC):
     # (a captured step attends over the full length): the device is
     # synchronized before they are unmapped, as before any unmap.
 
-    def reserve(self, size: int, alignment: int) -> int:
-        return self._reserve(size, alignment)
-
     def reserve_zeroed(self, size: int, alignment: int, device: int) -> int:
         granule = self.granularity(device, False)
         if size <= 0 or size % granule or alignment % granule:
@@ -262,7 +259,7 @@ class GpuDriver(ABC):
             if made_zero:
                 self._zero_handles[device] = self._make_zero_granule(device, granule)
             try:
-                ptr = self._reserve(size, alignment)
+                ptr = self.reserve(size, alignment)
                 zeroed = _Zeroed(size, device, granule)
                 try:
                     self._alias(zeroed, ptr, ptr + size)
@@ -281,7 +278,7 @@ class GpuDriver(ABC):
         """One granule of ``device`` memory, zeroed through a scratch mapping."""
         handle = self._create(granule, self._allocation_prop(device, False))
         try:
-            scratch = self._reserve(granule, granule)
+            scratch = self.reserve(granule, granule)
             try:
                 self._map(scratch, granule, handle)
                 try:

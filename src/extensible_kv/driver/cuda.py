@@ -171,7 +171,7 @@ class CudaDriver(GpuDriver):
             )
         )
 
-    def _reserve(self, size: int, alignment: int) -> int:
+    def reserve(self, size: int, alignment: int) -> int:
         return int(
             self._check("cuMemAddressReserve", self._b.cuMemAddressReserve(size, alignment, 0, 0))
         )

@@ -176,7 +176,7 @@ class HipDriver(GpuDriver):
             )
         )
 
-    def _reserve(self, size: int, alignment: int) -> int:
+    def reserve(self, size: int, alignment: int) -> int:
         return int(
             self._check("hipMemAddressReserve", self._b.hipMemAddressReserve(size, alignment, 0, 0))
         )
