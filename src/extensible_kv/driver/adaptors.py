@@ -19,10 +19,39 @@ import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from extensible_kv.driver.errors import DriverError, OutOfMemoryError
 from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
+
+_V = TypeVar("_V")
+
+
+class MappingLedger(Generic[_V]):
+    """What an adaptor records per mapping, by start address: an unmap
+    takes every mapping that starts in its range."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, _V] = {}
+        self._starts: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def values(self) -> list[_V]:
+        return list(self._at.values())
+
+    def add(self, ptr: int, value: _V) -> None:
+        self._at[ptr] = value
+        bisect.insort(self._starts, ptr)
+
+    def pop_within(self, ptr: int, size: int) -> list[_V]:
+        """Forget the mappings starting in ``[ptr, ptr + size)``; their values."""
+        lo = bisect.bisect_left(self._starts, ptr)
+        hi = bisect.bisect_left(self._starts, ptr + size)
+        taken = [self._at.pop(start) for start in self._starts[lo:hi]]
+        del self._starts[lo:hi]
+        return taken
 
 
 class DriverAdaptor:
@@ -129,8 +158,7 @@ class StatisticsDriver(DriverAdaptor):
         self._calls = {name: CallStats() for name in DRIVER_CALLS}
         self._handles: dict[int, int] = {}
         self._reservations: dict[int, int] = {}
-        self._mappings: dict[int, int] = {}
-        self._mapping_starts: list[int] = []
+        self._mappings: MappingLedger[int] = MappingLedger()  # start -> size
 
     @property
     def calls(self) -> dict[str, CallStats]:
@@ -187,15 +215,9 @@ class StatisticsDriver(DriverAdaptor):
         elif name == "free_reserved":
             del self._reservations[args[0]]
         elif name == "map":
-            self._mappings[args[0]] = args[1]
-            bisect.insort(self._mapping_starts, args[0])
+            self._mappings.add(args[0], args[1])
         elif name == "unmap":
-            ptr, size = args
-            lo = bisect.bisect_left(self._mapping_starts, ptr)
-            hi = bisect.bisect_left(self._mapping_starts, ptr + size)
-            for start in self._mapping_starts[lo:hi]:
-                del self._mappings[start]
-            del self._mapping_starts[lo:hi]
+            self._mappings.pop_within(*args)
 
 
 class FaultInjectingDriver(DriverAdaptor):

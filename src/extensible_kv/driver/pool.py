@@ -14,12 +14,11 @@ releases (:func:`drain_pools`): sleeping returns every byte to the driver.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from extensible_kv.driver.adaptors import DriverAdaptor
+from extensible_kv.driver.adaptors import DriverAdaptor, MappingLedger
 from extensible_kv.driver.protocol import Driver
 
 MiB = 1 << 20
@@ -56,9 +55,9 @@ class PoolingDriver(DriverAdaptor):
         self._kinds: dict[int, _Kind] = {}
         self._idle: dict[_Kind, list[int]] = {}
         self._idle_bytes: dict[int, int] = {}
-        #: Mapping start -> handle, for the mappings made through here.
-        self._mapped_at: dict[int, int] = {}
-        self._mapping_starts: list[int] = []
+        #: Mapping start -> handle, for the mappings made through here, and
+        #: how many mappings each handle has.
+        self._mapped_at: MappingLedger[int] = MappingLedger()
         self._mappings_of: dict[int, int] = {}
         self.hits = 0
         self.misses = 0
@@ -116,23 +115,18 @@ class PoolingDriver(DriverAdaptor):
     def map(self, ptr: int, size: int, handle: int) -> None:
         self._call("map", ptr, size, handle)
         with self._lock:
-            self._mapped_at[ptr] = handle
-            bisect.insort(self._mapping_starts, ptr)
+            self._mapped_at.add(ptr, handle)
             self._mappings_of[handle] = self._mappings_of.get(handle, 0) + 1
 
     def unmap(self, ptr: int, size: int) -> None:
         self._call("unmap", ptr, size)
         with self._lock:
-            lo = bisect.bisect_left(self._mapping_starts, ptr)
-            hi = bisect.bisect_left(self._mapping_starts, ptr + size)
-            for start in self._mapping_starts[lo:hi]:
-                handle = self._mapped_at.pop(start)
+            for handle in self._mapped_at.pop_within(ptr, size):
                 left = self._mappings_of[handle] - 1
                 if left:
                     self._mappings_of[handle] = left
                 else:
                     del self._mappings_of[handle]
-            del self._mapping_starts[lo:hi]
 
     # -- the pool itself ---------------------------------------------------------
 
