@@ -224,16 +224,19 @@ class ExtensibleLayer(CacheLayerMixin):
                 f"the cache holds max_cache_len={self.max_cache_len} tokens; {end} do not fit "
                 f"(make the cache with a larger max_cache_len)"
             )
-        if key_states.shape[0] != self._batch:
-            raise ValueError(
-                f"the cache holds a batch of {self._batch}, not {key_states.shape[0]}; "
-                f"use one cache per batch"
-            )
+        self._check_batch(key_states)
         self._lockstep.ensure(end)
         full_keys[: self._batch, :, start:end].copy_(key_states)
         full_values[: self._batch, :, start:end].copy_(value_states)
         self.cumulative_length = end
         return self._narrow()
+
+    def _check_batch(self, key_states: torch.Tensor) -> None:
+        if key_states.shape[0] != self._batch:
+            raise ValueError(
+                f"the cache holds a batch of {self._batch}, not {key_states.shape[0]}; "
+                f"use one cache per batch"
+            )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -343,11 +346,7 @@ class ExtensibleStaticLayer(ExtensibleLayer):
         memory the cache committed before this step); return all positions."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self._batch:
-            raise ValueError(
-                f"the cache holds a batch of {self._batch}, not {key_states.shape[0]}; "
-                f"use one cache per batch"
-            )
+        self._check_batch(key_states)
         keys, values = self._both()
         length = key_states.shape[-2]
         # The cache has advanced the count by this step's tokens already.
