@@ -15,8 +15,9 @@ import torch
 
 from extensible_kv import ExtensibleTensor, StatisticsDriver
 from extensible_kv.driver import LiveUsage
+from extensible_kv.driver.adaptors import DriverAdaptor
 from extensible_kv.kv import KVCacheBuffers
-from extensible_kv.kv.backup import HostBackup
+from extensible_kv.kv.backup import HostBackup, Restorer
 from extensible_kv.kv.buffers import CommitTicket
 
 MiB = 1 << 20
@@ -85,6 +86,161 @@ def test_host_memory_goes_back_after_wake_unless_kept(stats: StatisticsDriver) -
     cache.release_physical(preserve=True)
     assert cache._backup is kept, "a kept copy is reused by the next sleep"
     cache.recommit()
+    cache.free()
+
+
+class HoldingDriver(DriverAdaptor):
+    """Holds its ``hold_at``-th ``create`` until ``go`` is set (at most
+    30 s), and says whether it was."""
+
+    def __init__(self, inner: StatisticsDriver) -> None:
+        super().__init__(inner)
+        self.creates = 0
+        self.hold_at = 0
+        self.go = threading.Event()
+        self.released_in_time: bool | None = None
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if name == "create":
+            self.creates += 1
+            if self.creates == self.hold_at:
+                self.released_in_time = self.go.wait(30)
+        return super()._call(name, *args)
+
+
+def test_a_wake_copies_each_buffer_while_the_next_commits(
+    stats: StatisticsDriver, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wake's last ``create`` waits for a copy to start: a wake that
+    copied only after committing everything would never release it."""
+    holding = HoldingDriver(stats)
+    buffers = [(ExtensibleTensor(16 * MiB, device, driver=holding), 256 * 1024) for _ in range(3)]
+    cache = KVCacheBuffers(buffers, 64)
+    cache.commit(64)
+    expected = fill(cache)
+    cache.release_physical(preserve=True)
+    before = holding.creates
+    cache.recommit(keep_host_memory=True)
+    holding.hold_at = 2 * holding.creates - before  # the last create of the next wake
+    copy = Restorer._copy
+
+    def copy_then_release(self: Restorer, *args: Any) -> None:
+        holding.go.set()
+        copy(self, *args)
+
+    monkeypatch.setattr(Restorer, "_copy", copy_then_release)
+    cache.release_physical(preserve=True)
+    cache.recommit()
+    assert holding.released_in_time is True, "no copy ran while the last buffer committed"
+    for region, before_bytes in zip(cache._regions(64), expected, strict=True):
+        assert torch.equal(region, before_bytes)
+    cache.free()
+
+
+def test_a_failed_copy_on_wake_leaves_the_cache_asleep_with_its_copy(
+    stats: StatisticsDriver, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = cache_of(device, stats, 256 * 1024)
+    cache.commit(40)
+    expected = fill(cache)
+    cache.release_physical(preserve=True)
+    live_asleep = stats.live
+    copy = Restorer._copy
+    calls = []
+
+    def second_copy_fails(self: Restorer, *args: Any) -> None:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("copy failed")
+        copy(self, *args)
+
+    monkeypatch.setattr(Restorer, "_copy", second_copy_fails)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        cache.recommit()
+    assert cache.released
+    assert cache.physical_bytes == 0
+    assert stats.live == live_asleep, "what the failed wake committed went back"
+    assert cache.host_backup_bytes == 3 * 40 * 256 * 1024
+    monkeypatch.setattr(Restorer, "_copy", copy)
+    cache.recommit()
+    for region, before in zip(cache._regions(40), expected, strict=True):
+        assert torch.equal(region, before)
+    cache.free()
+
+
+class FakeCudart:
+    """MOCK of the CUDA runtime's host registration, which no CPU machine
+    has: records calls and answers ``error`` to registrations."""
+
+    def __init__(self, error: int = 0) -> None:
+        self.error = error
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        self.calls.append(("register", size))
+        return self.error
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+@pytest.fixture
+def fake_cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    return fake
+
+
+def test_a_pinned_backup_registers_once_and_unregisters_when_freed(
+    fake_cudart: FakeCudart,
+) -> None:
+    backup = HostBackup([MiB, 3 * MiB])
+    backup.pin()
+    backup.pin()
+    assert backup.pinned
+    assert fake_cudart.calls == [("register", 4 * MiB)]
+    backup.free()
+    assert fake_cudart.calls[1:] == [("unregister", fake_cudart.calls[1][1])]
+    assert not backup.pinned
+
+
+def test_a_refused_pin_warns_and_leaves_the_backup_unpinned(fake_cudart: FakeCudart) -> None:
+    fake_cudart.error = 2
+    backup = HostBackup([MiB])
+    with pytest.warns(RuntimeWarning, match="could not pin .* error 2"):
+        backup.pin()
+    assert not backup.pinned
+    backup.free()
+    assert [name for name, _ in fake_cudart.calls] == ["register"]
+
+
+def test_a_kept_backup_of_a_host_cache_is_not_pinned(
+    stats: StatisticsDriver, fake_cudart: FakeCudart
+) -> None:
+    cache = cache_of("cpu", stats, 256 * 1024)
+    cache.commit(8)
+    cache.release_physical(preserve=True)
+    cache.recommit(keep_host_memory=True)
+    assert cache._spare is not None
+    assert not cache._spare.pinned
+    assert fake_cudart.calls == []
+    cache.free()
+
+
+def test_a_kept_backup_survives_sleep_after_sleep(stats: StatisticsDriver, device: str) -> None:
+    """On a GPU the kept copy is pinned and later sleeps copy by direct DMA."""
+    cache = cache_of(device, stats, 256 * 1024)
+    cache.commit(40)
+    expected = fill(cache)
+    for _ in range(3):
+        cache.release_physical(preserve=True)
+        cache.recommit(keep_host_memory=True)
+        for region, before in zip(cache._regions(40), expected, strict=True):
+            assert torch.equal(region, before)
+    assert cache._spare is not None
+    assert cache._spare.pinned == (device == "cuda")
     cache.free()
 
 

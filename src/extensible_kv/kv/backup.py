@@ -7,6 +7,13 @@ ring (``2 * staging_bytes``), whatever the cache's size; the backup itself
 is ordinary (pageable) memory, handed back to the OS when dropped. On the
 host backend a backup is one plain copy.
 
+A backup kept between sleeps (``recommit(keep_host_memory=True)``) is
+instead registered with the GPU driver once (:meth:`HostBackup.pin`), and
+its later copies run as direct DMA on the copy stream, with no CPU copy.
+Pinning is paid once, at the wake that keeps the backup, so it pays off
+from the next sleep on; a backup made for one sleep keeps using the ring.
+(This path has not run on a GPU yet: see docs/gpu-validation.md.)
+
 The slots come from torch's pinned-memory cache and go back to it when a
 copy ends, on purpose: the next sleep or wake (and any pinned tensor of
 the engine's of that size) reuses them instead of pinning pages again,
@@ -19,7 +26,10 @@ them back to the OS.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -42,12 +52,38 @@ class HostBackup:
     def __init__(self, sizes: Sequence[int]) -> None:
         total = sum(sizes)
         self._store = ExtensibleTensor(total, "cpu")
-        whole = self._store.resize_(total)
+        self._whole = self._store.resize_(total)
         offsets = [0, *itertools.accumulate(sizes)]
-        self.copies = [whole[start:end] for start, end in itertools.pairwise(offsets)]
+        self.copies = [self._whole[start:end] for start, end in itertools.pairwise(offsets)]
+        self.pinned = False
+
+    def pin(self) -> None:
+        """Register the backup's pages with the GPU driver (``cudaHostRegister``
+        through torch; ``hipHostRegister`` on ROCm), once, so that copies to
+        and from it run as direct DMA. Does nothing without a GPU. If the
+        driver refuses (a locked-memory limit), warns and stays unpinned:
+        copies then go through the staging ring, as before.
+        """
+        if self.pinned or not self.nbytes or not torch.cuda.is_available():
+            return
+        error = int(_cudart().cudaHostRegister(self._whole.data_ptr(), self.nbytes, 0))
+        if error:
+            warnings.warn(
+                f"could not pin the {self.nbytes}-byte host backup (cudaHostRegister "
+                f"error {error}); its copies go through the staging ring",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.pinned = True
 
     def free(self) -> None:
-        """Give the host memory back now."""
+        """Give the host memory back now (unpinning it first)."""
+        if self.pinned:
+            error = int(_cudart().cudaHostUnregister(self._whole.data_ptr()))
+            if error:
+                raise RuntimeError(f"cudaHostUnregister of the host backup failed: error {error}")
+            self.pinned = False
         self.copies = []
         self._store.free()
 
@@ -75,7 +111,8 @@ class HostBackup:
                 reuse.free()
             backup = cls([r.numel() for r in regions])
         if regions and regions[0].device.type == "cuda":
-            _Ring(regions[0].device, staging_bytes).to_host(regions, backup.copies)
+            ring = _Ring(regions[0].device, staging_bytes, direct=backup.pinned)
+            ring.to_host(regions, backup.copies)
         else:
             for region, copy in zip(regions, backup.copies, strict=True):
                 copy.copy_(region)
@@ -89,13 +126,83 @@ class HostBackup:
         On a GPU the current stream is made to wait for the copies, so work
         queued after this call sees the restored bytes; nothing else waits.
         """
+        restorer = self.restorer(regions, staging_bytes=staging_bytes)
+        try:
+            restorer.copy(range(len(regions)))
+        finally:
+            restorer.finish()
+
+    def restorer(
+        self, regions: Sequence[torch.Tensor], *, staging_bytes: int = DEFAULT_STAGING_BYTES
+    ) -> Restorer:
+        """A :class:`Restorer` copying this backup into ``regions`` (same
+        sizes, same order) region by region, as their memory is committed."""
         if not self.fits(regions):
             raise ValueError("the regions to restore differ from the ones backed up")
-        if regions and regions[0].device.type == "cuda":
-            _Ring(regions[0].device, staging_bytes).to_device(self.copies, regions)
+        return Restorer(self.copies, regions, staging_bytes, direct=self.pinned)
+
+
+def _cudart() -> Any:
+    """torch's CUDA runtime bindings (HIP's on ROCm builds, same names)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+class Restorer:
+    """Copies a backup back while the caller commits the memory it goes to.
+
+    A wake commits memory and then fills it from the host copy; done one
+    after the other, the wake costs their sum. Here the caller commits a
+    part, hands its regions to :meth:`copy` and goes on to commit the next
+    part while one worker thread copies (the copies release the GIL), so
+    the wake costs about the larger of the two. :meth:`finish` waits for
+    every copy and raises the first error; it must be called, also when
+    committing failed, before the memory is released again.
+    """
+
+    def __init__(
+        self,
+        copies: Sequence[torch.Tensor],
+        regions: Sequence[torch.Tensor],
+        staging_bytes: int,
+        *,
+        direct: bool = False,
+    ) -> None:
+        self._copies = copies
+        self._regions = regions
+        on_gpu = bool(regions) and regions[0].device.type == "cuda"
+        # Made here, on the caller's thread, so that it orders the copies
+        # after the caller's current stream and that stream after them.
+        self._ring = _Ring(regions[0].device, staging_bytes, direct=direct) if on_gpu else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="extensible-kv-restore")
+        self._pending: list[Future[None]] = []
+
+    def copy(self, indices: Iterable[int]) -> None:
+        """Start copying the regions at ``indices``; their memory must be
+        committed. Returns at once."""
+        chosen = list(indices)
+        regions = [self._regions[i] for i in chosen]
+        copies = [self._copies[i] for i in chosen]
+        self._pending.append(self._worker.submit(self._copy, copies, regions))
+
+    def _copy(self, copies: list[torch.Tensor], regions: list[torch.Tensor]) -> None:
+        if self._ring is not None:
+            self._ring.to_device(copies, regions)
         else:
-            for region, copy in zip(regions, self.copies, strict=True):
+            for region, copy in zip(regions, copies, strict=True):
                 region.copy_(copy)
+
+    def finish(self) -> None:
+        """Wait for every copy started; raise the first one's error, if any."""
+        self._worker.shutdown(wait=True)
+        if self._ring is not None:
+            self._ring.finish_upload()
+        error = next((e for e in (f.exception() for f in self._pending) if e is not None), None)
+        self._pending = []
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None  # no cycle through this frame: the regions go with the error
 
 
 def _pieces(
@@ -111,22 +218,41 @@ def _pieces(
 
 
 class _Ring:
-    """Two pinned slots and a copy stream, for staged device <-> host copies."""
+    """A copy stream for device <-> host copies: staged through two pinned
+    slots, or ``direct`` when the host side is pinned already.
 
-    def __init__(self, device: torch.device, staging_bytes: int) -> None:
+    Made on the caller's thread: its copies run after the work queued on
+    the caller's current stream, and, for uploads, :meth:`finish_upload`
+    makes that stream wait for them.
+    """
+
+    def __init__(self, device: torch.device, staging_bytes: int, *, direct: bool = False) -> None:
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
         self.device = device
         self.size = staging_bytes
+        self.direct = direct
+        self.caller = torch.cuda.current_stream(device)
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # Kernels writing the cache, or zeroing freshly committed memory,
+        # run on the caller's stream: copy after them.
+        self.stream.wait_stream(self.caller)
+        slots = 0 if direct else 2
         self.slots = [
-            torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+            torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)
         ]
-        self.events = [torch.cuda.Event() for _ in range(2)]  # type: ignore[no-untyped-call]
+        self.events = [torch.cuda.Event() for _ in range(slots)]  # type: ignore[no-untyped-call]
+        self.used = [False] * slots
+        self.next_slot = 0
 
     def to_host(self, regions: Sequence[torch.Tensor], copies: Sequence[torch.Tensor]) -> None:
-        # Kernels writing the cache run on the current stream: copy after them.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        """Copy ``regions`` into ``copies``; returns once the copies are done."""
+        if self.direct:
+            with torch.cuda.stream(self.stream):
+                for region, copy in zip(regions, copies, strict=True):
+                    copy.copy_(region, non_blocking=True)
+            self.stream.synchronize()
+            return
         waiting: list[tuple[int, torch.Tensor] | None] = [None, None]
         for i, (device_part, host_part) in enumerate(_pieces(regions, copies, self.size)):
             slot = i % 2
@@ -149,23 +275,28 @@ class _Ring:
             waiting[slot] = None
 
     def to_device(self, copies: Sequence[torch.Tensor], regions: Sequence[torch.Tensor]) -> None:
-        current = torch.cuda.current_stream(self.device)
-        # Zeroing of freshly committed memory runs on the current stream.
-        self.stream.wait_stream(current)
-        used = [False, False]
-        for i, (device_part, host_part) in enumerate(_pieces(regions, copies, self.size)):
-            slot = i % 2
-            if used[slot]:
+        """Queue uploads of ``copies`` into ``regions``; may be called
+        again (from one thread at a time), then :meth:`finish_upload`."""
+        if self.direct:
+            with torch.cuda.stream(self.stream):
+                for region, copy in zip(regions, copies, strict=True):
+                    region.copy_(copy, non_blocking=True)
+            return
+        for device_part, host_part in _pieces(regions, copies, self.size):
+            slot = self.next_slot
+            self.next_slot = 1 - slot
+            if self.used[slot]:
                 self.events[slot].synchronize()  # the slot's last upload is done
             staged = self.slots[slot][: device_part.numel()]
             staged.copy_(host_part)
             with torch.cuda.stream(self.stream):
                 device_part.copy_(staged, non_blocking=True)
                 self.events[slot].record(self.stream)
-            used[slot] = True
-        current.wait_stream(self.stream)
-        for slot in (0, 1):
-            if used[slot]:
-                # The pinned slots go back to torch's cache once the copies
-                # that read them are done.
-                self.events[slot].synchronize()
+            self.used[slot] = True
+
+    def finish_upload(self) -> None:
+        """Order the caller's stream after the uploads, and wait for them:
+        the host memory they read (the slots, which go back to torch's
+        cache, or the backup, which may be freed next) must outlive them."""
+        self.caller.wait_stream(self.stream)
+        self.stream.synchronize()

@@ -549,7 +549,11 @@ class KVCacheBuffers:
 
         Blocks read zero, or, after a preserving release, what they held. The
         host copy is then dropped (its memory goes back to the OS) unless
-        ``keep_host_memory``, which keeps it for the next preserving sleep.
+        ``keep_host_memory``, which keeps it for the next preserving sleep
+        and, on a GPU, pins it (once) so that later sleeps and wakes copy by
+        direct DMA. The memory is committed buffer by buffer, each one's copy
+        running while the next commits.
+
         After a commit while released woke the cache partly, this grows it
         (zeroed) to the count it slept at. Does nothing otherwise.
         """
@@ -564,15 +568,42 @@ class KVCacheBuffers:
         if self._asleep_at is None:
             return
         backup = self._backup
-        self._grow(self._asleep_at, zero_new=backup is None)
-        self._asleep_at = None
-        if backup is not None:
-            backup.restore(self._regions(self._committed), staging_bytes=staging_bytes)
-            self._backup = None
-            if keep_host_memory:
-                self._spare = backup
-            else:
-                backup.free()
+        if backup is None:
+            self._grow(self._asleep_at)
+            self._asleep_at = None
+            return
+        self._restore(backup, self._asleep_at, staging_bytes)
+        self._asleep_at = self._backup = None
+        if not keep_host_memory:
+            backup.free()
+            return
+        if self.buffers and self.buffers[0][0].device.type == "cuda":
+            backup.pin()
+        self._spare = backup
+
+    def _restore(self, backup: HostBackup, num_blocks: int, staging_bytes: int) -> None:
+        """Commit ``num_blocks`` again, buffer by buffer, and fill each from
+        ``backup`` while the next one commits; all or nothing.
+
+        If a commit or a copy fails, the buffers committed so far are
+        released again: the cache stays asleep with its backup, for a retry.
+        """
+        restorer = backup.restorer(self._regions(num_blocks), staging_bytes=staging_bytes)
+        committed: list[ExtensibleTensor] = []
+        try:
+            try:
+                first = 0
+                for buffer, per_block in self.buffers:
+                    resize_per_segment_all([(buffer, num_blocks * per_block)])
+                    committed.append(buffer)
+                    restorer.copy(range(first, first + buffer.num_segments))
+                    first += buffer.num_segments
+            finally:
+                restorer.finish()  # no copy may run into memory released below
+        except BaseException:
+            release_physical_all(committed)
+            raise
+        self._committed = num_blocks
 
     def _drop_backup(self) -> None:
         for backup in (self._backup, self._spare):
