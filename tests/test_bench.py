@@ -31,6 +31,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert results["growth"]["reallocate_and_copy"]["ratio_to_ours"] > 0
     assert results["growth"]["gpu_peers"] == "GPU only"
     assert results["pooled_regrowth"]["ratio"] > 0
+    assert results["sleep_wake"]["reserved_ahead_fraction_of_roof"] > 0
     assert results["release_beside_work"] == {"skipped": "GPU only"}
     assert results["bookkeeping"]["driver_calls_per_commit"] == pytest.approx(4, abs=0.1)
     for rows in results["overhead"].values():
@@ -41,6 +42,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert "commit + zero" in out
     assert "physical overhead" in out
     assert "pooled handles vs new" in out
+    assert "reserved ahead while asleep" in out
 
 
 def test_the_expandable_segments_peer_runs_in_a_process_of_its_own() -> None:

@@ -170,6 +170,13 @@ class PoolMachine(RuleBasedStateMachine):
     def fill(self, count: int) -> None:
         self.pool.fill(self.g, count)
 
+    @rule(granules=st.integers(0, 6))
+    def reserve_ahead(self, granules: int) -> None:
+        missing = max(granules * self.g - self.tensor.bytes_per_segment, 0)
+        room = self.pool.cap_bytes - self.pool.idle_bytes
+        added = self.tensor.reserve_ahead(granules * self.g).result(timeout=60)
+        assert added == min(missing, room // self.g * self.g)
+
     @invariant()
     def every_handle_is_mapped_or_idle(self) -> None:
         live = self.stats.live
@@ -213,3 +220,76 @@ def test_a_failing_create_in_a_fill_keeps_what_it_made(stats: StatisticsDriver) 
     assert pool.idle_handles == 1
     assert stats.live.handles == 1
     pool.drain()
+
+
+def test_a_wake_after_reserve_ahead_creates_nothing(stats: StatisticsDriver) -> None:
+    """Reserved while asleep (on a thread of its own, which a GPU driver
+    must give a context), the wake's handles all come from the pool."""
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=64 * g)
+    tensors = [ExtensibleTensor(8 * g, "cpu", driver=pool, chunk_bytes=g) for _ in range(3)]
+    cache = KVCacheBuffers([(t, g) for t in tensors], 8)
+    cache.commit(6)
+    cache.release_physical()
+    assert cache.reserve_ahead(6).result(timeout=60) == 3 * 6 * g
+    assert stats.live.handles == 18, "the reserved memory is held, idle in the pool"
+    creates = stats.calls["create"].calls
+    cache.recommit()
+    assert stats.calls["create"].calls == creates, "the wake only mapped"
+    assert (pool.idle_bytes, cache.physical_bytes) == (0, 18 * g)
+    assert cache.reserve_ahead(8).result(timeout=60) == 3 * 2 * g, "only what growing adds"
+    assert cache.reserve_ahead(3).result(timeout=60) == 0, "not a growth: nothing to reserve"
+    creates = stats.calls["create"].calls
+    cache.commit(8)
+    assert stats.calls["create"].calls == creates
+    cache.free()
+    pool.drain()
+
+
+def test_reserve_ahead_stops_at_the_cap_and_the_growth_creates_the_rest(
+    stats: StatisticsDriver,
+) -> None:
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=2 * g)
+    tensor = ExtensibleTensor(5 * g, "cpu", driver=pool, chunk_bytes=g)
+    assert tensor.reserve_ahead(5 * g).result(timeout=60) == 2 * g
+    tensor.resize_(5 * g)
+    assert (pool.hits, pool.idle_bytes, tensor.physical_bytes) == (2, 0, 5 * g)
+    tensor.free()
+    pool.drain()
+
+
+def test_reserve_ahead_refuses_bad_requests_and_needs_a_pool(stats: StatisticsDriver) -> None:
+    g = stats.granularity(0, False)
+    plain = ExtensibleTensor(2 * g, "cpu", driver=stats)
+    with pytest.raises(ValueError, match="reserve_ahead\\(\\) fills a PoolingDriver"):
+        plain.reserve_ahead(g)
+    plain.free()
+    pool = PoolingDriver(stats)
+    tensor = ExtensibleTensor(2 * g, "cpu", driver=pool)
+    for bad, message in ((3 * g, "exceeds the segment capacity"), (-1, "non-negative")):
+        with pytest.raises(ValueError, match=message):
+            tensor.reserve_ahead(bad)
+    cache = KVCacheBuffers([(tensor, g)], 2)
+    with pytest.raises(ValueError, match="cannot reserve for 3 blocks; the capacity is 2"):
+        cache.reserve_ahead(3)
+    assert stats.live.handles == 0, "a refused request creates nothing"
+    cache.free()
+
+
+def test_a_failing_create_while_reserving_surfaces_in_the_future(
+    stats: StatisticsDriver,
+) -> None:
+    g = stats.granularity(0, False)
+    faulty = FaultInjectingDriver(stats)
+    pool = PoolingDriver(faulty, cap_bytes=4 * g)
+    tensor = ExtensibleTensor(4 * g, "cpu", driver=pool, chunk_bytes=g)
+    faulty.fail_at("create", nth=3)
+    with pytest.raises(DriverError, match="injected"):
+        tensor.reserve_ahead(4 * g).result(timeout=60)
+    assert pool.idle_handles == 2, "the handles made before the failure stay idle"
+    tensor.resize_(4 * g)
+    assert pool.hits == 2
+    tensor.free()
+    pool.drain()
+    assert stats.live.handles == 0

@@ -273,6 +273,12 @@ class VirtualBuffer:
                 plan.append([(o, min(width, end - o)) for o in range(start, end, width)])
         return plan
 
+    def chunk_sizes(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
+        """The sizes in bytes of the handles a commit of ``ranges`` would
+        create now, in order; validates, changes nothing."""
+        with self._lock:
+            return [size for run in self._plan(ranges, False) for _, size in run]
+
     def _map_chunks(self, plan: list[list[_Span]]) -> list[Chunk]:
         """Create and map every chunk of ``plan``, granting access once per run.
 

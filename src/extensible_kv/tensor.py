@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from extensible_kv.buffer import (
 )
 from extensible_kv.dlpack import ByteView, as_tensor
 from extensible_kv.driver import Driver, device_with_uuid, get_driver, parse_device
+from extensible_kv.driver.pool import Kind, PoolingDriver, fill_pools_in_background, find_pool
 
 _DLPACK_TYPES = {"cpu": (1,), "cuda": (2, 10)}
 
@@ -285,6 +287,36 @@ class ExtensibleTensor:
         none does.
         """
         resize_per_segment_all([(self, bytes_per_segment)], zero_new=zero_new)
+
+    def reserve_ahead(self, bytes_per_segment: int) -> Future[int]:
+        """Create, on a background thread, the physical memory that growing
+        to ``bytes_per_segment`` bytes per segment will map, into the
+        :class:`~extensible_kv.driver.PoolingDriver` under this tensor, so
+        that the growth, when it comes, only maps (creating is the costly
+        driver call). The future gives the bytes added; the pool stops at
+        its ``cap_bytes``, and what it does not hold is created at the
+        growth, as usual. Needs a pool under the tensor's driver.
+        """
+        return fill_pools_in_background(self._handles_to_grow(bytes_per_segment))
+
+    def _handles_to_grow(self, bytes_per_segment: int) -> list[tuple[PoolingDriver, Kind]]:
+        """One ``(pool, kind)`` per handle a growth to ``bytes_per_segment``
+        would create now (none if it is not a growth); validates."""
+        buffer = self._buffer
+        pool = find_pool(buffer.driver)
+        if pool is None:
+            raise ValueError(
+                "reserve_ahead() fills a PoolingDriver, and this tensor's driver "
+                f"{buffer.driver!r} has none: create the tensor with "
+                "driver=PoolingDriver(get_driver(device), cap_bytes=...)"
+            )
+        self._check_alive("reserve_ahead")
+        check_int("bytes_per_segment", bytes_per_segment)
+        if 0 <= bytes_per_segment <= self._bytes_per_segment:
+            return []
+        ranges, _ = self._grow_plan(bytes_per_segment, False)
+        kind = (buffer.device, buffer.shareable)
+        return [(pool, (size, *kind)) for size in buffer.chunk_sizes(ranges)]
 
     def _grow_plan(
         self, bytes_per_segment: int, zero_new: bool

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from extensible_kv.bench.measure import MiB, Stats, free_bytes, ratio, sync, timed
-from extensible_kv.driver import HostDriver, PoolingDriver, StatisticsDriver, get_driver
+from extensible_kv.driver import Driver, HostDriver, PoolingDriver, StatisticsDriver, get_driver
 from extensible_kv.kv import (
     AttentionSpec,
     BlockMajorBackend,
@@ -209,11 +209,16 @@ def growth(device: torch.device, total: int, steps: int, repeats: int) -> Row:
 # 3. sleep and wake -------------------------------------------------------------
 
 
-def _kv_cache(device: torch.device, layers: int, layer_bytes: int) -> KVCacheBuffers:
+def _kv_cache(
+    device: torch.device, layers: int, layer_bytes: int, driver: Driver | None = None
+) -> KVCacheBuffers:
     per_block = 256 * 1024
     blocks = layer_bytes // (2 * per_block)
     buffers = [
-        (ExtensibleTensor(2 * blocks * per_block, device, num_segments=2), per_block)
+        (
+            ExtensibleTensor(2 * blocks * per_block, device, num_segments=2, driver=driver),
+            per_block,
+        )
         for _ in range(layers)
     ]
     cache = KVCacheBuffers(buffers, blocks)
@@ -239,8 +244,25 @@ def _per_allocation_sleep(device: torch.device, layers: int, layer_bytes: int) -
     return timed(sleep_and_wake, device)
 
 
+def _sleep_reserved_ahead(device: torch.device, layers: int, layer_bytes: int) -> float:
+    """Seconds of a preserving sleep and a wake whose memory was created
+    while asleep (``reserve_ahead``, as while an engine reloads weights):
+    the two calls on the engine's path, the reserve not counted."""
+    total = layers * layer_bytes
+    driver = PoolingDriver(get_driver(device), cap_bytes=total)
+    cache = _kv_cache(device, layers, layer_bytes, driver)
+    cache.release_physical(preserve=True)  # the first host copy, outside the timing
+    cache.recommit(keep_host_memory=True)
+    asleep = timed(lambda: cache.release_physical(preserve=True), device)
+    cache.reserve_ahead(cache.num_blocks_capacity).result()
+    awake = timed(lambda: cache.recommit(keep_host_memory=True), device)
+    cache.free()
+    driver.drain()
+    return asleep + awake
+
+
 def sleep_wake(device: torch.device, layers: int, layer_bytes: int, repeats: int) -> Row:
-    discard, preserve, roof, per_alloc = [], [], [], []
+    discard, preserve, roof, per_alloc, ahead = [], [], [], [], []
     total = layers * layer_bytes
     for _ in range(repeats):
         cache = _kv_cache(device, layers, layer_bytes)
@@ -257,6 +279,7 @@ def sleep_wake(device: torch.device, layers: int, layer_bytes: int, repeats: int
         sleep_preserving()  # the first host copy is made outside the timing
         preserve.append(timed(sleep_preserving, device))
         cache.free()
+        ahead.append(_sleep_reserved_ahead(device, layers, layer_bytes))
         source = torch.ones(total, dtype=torch.uint8, device=device)
         host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
@@ -268,11 +291,19 @@ def sleep_wake(device: torch.device, layers: int, layer_bytes: int, repeats: int
         del source, host, copy_out_and_back
         per_alloc.append(_per_allocation_sleep(device, layers, layer_bytes))
     d, p, r, a = Stats.of(discard), Stats.of(preserve), Stats.of(roof), Stats.of(per_alloc)
+    h = Stats.of(ahead)
     return {
         "layers": layers,
         "bytes": total,
-        **_stats_row(release_recommit=d, preserving=p, plain_copy_roof=r, per_allocation_sleep=a),
+        **_stats_row(
+            release_recommit=d,
+            preserving=p,
+            preserving_reserved_ahead=h,
+            plain_copy_roof=r,
+            per_allocation_sleep=a,
+        ),
         "preserving_fraction_of_roof": ratio(r, p),
+        "reserved_ahead_fraction_of_roof": ratio(r, h),
         "preserving_vs_per_allocation": ratio(a, p),
         "preserving_GBps": 2 * total / p.median / 1e9,
         "roof_GBps": 2 * total / r.median / 1e9,

@@ -15,6 +15,8 @@ releases (:func:`drain_pools`): sleeping returns every byte to the driver.
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,7 +27,8 @@ MiB = 1 << 20
 #: Idle bytes a pool keeps per device by default.
 DEFAULT_CAP_BYTES = 256 * MiB
 
-_Kind = tuple[int, int, bool]  # (size in bytes, device, shareable)
+#: What a pooled handle must match: (size in bytes, device, shareable).
+Kind = tuple[int, int, bool]
 
 
 class PoolingDriver(DriverAdaptor):
@@ -52,8 +55,8 @@ class PoolingDriver(DriverAdaptor):
         self.cap_bytes = cap_bytes
         self._lock = threading.Lock()
         #: Handles created here and not yet released to the driver.
-        self._kinds: dict[int, _Kind] = {}
-        self._idle: dict[_Kind, list[int]] = {}
+        self._kinds: dict[int, Kind] = {}
+        self._idle: dict[Kind, list[int]] = {}
         self._idle_bytes: dict[int, int] = {}
         #: Mapping start -> handle, for the mappings made through here, and
         #: how many mappings each handle has.
@@ -93,7 +96,7 @@ class PoolingDriver(DriverAdaptor):
             self.misses += 1
         return self._create(kind)
 
-    def _create(self, kind: _Kind) -> int:
+    def _create(self, kind: Kind) -> int:
         handle = int(self._call("create", *kind))
         with self._lock:
             self._kinds[handle] = kind
@@ -174,10 +177,37 @@ class PoolingDriver(DriverAdaptor):
     ) -> Future[int]:
         """:meth:`fill` on a thread of its own, off the caller's critical
         path; the future gives the count added (or the error)."""
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensible-kv-pool")
-        future = executor.submit(self.fill, size, count, device, shareable)
-        executor.shutdown(wait=False)
-        return future
+        return _in_background(self.fill, size, count, device, shareable)
+
+
+def _in_background(work: Callable[..., int], *args: Any) -> Future[int]:
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensible-kv-pool")
+    future = executor.submit(work, *args)
+    executor.shutdown(wait=False)
+    return future
+
+
+def find_pool(driver: Any) -> PoolingDriver | None:
+    """The first :class:`PoolingDriver` in ``driver``'s adaptor chain, if any."""
+    while driver is not None and not isinstance(driver, PoolingDriver):
+        driver = getattr(driver, "inner", None)
+    return driver
+
+
+def fill_pools_in_background(handles: Iterable[tuple[PoolingDriver, Kind]]) -> Future[int]:
+    """Create handles ahead into their pools, one ``(pool, (size, device,
+    shareable))`` per handle, on a thread of its own; the future gives the
+    bytes added. Each pool stops at its cap; a failing create ends the
+    filling with that error, the handles made before it staying idle."""
+    wanted = Counter(handles)
+
+    def fill_all() -> int:
+        return sum(
+            pool.fill(size, count, device, shareable) * size
+            for (pool, (size, device, shareable)), count in wanted.items()
+        )
+
+    return _in_background(fill_all)
 
 
 def drain_pools(driver: Any) -> int:
