@@ -13,6 +13,7 @@ SUITES = (
     "commit_vs_zeros",
     "growth",
     "sleep_wake",
+    "large_wake",
     "release_beside_work",
     "pooled_regrowth",
     "view_access",
@@ -32,6 +33,10 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert results["growth"]["gpu_peers"] == "GPU only"
     assert results["pooled_regrowth"]["ratio"] > 0
     assert results["sleep_wake"]["reserved_ahead_fraction_of_roof"] > 0
+    wake = results["large_wake"]
+    assert wake["bytes"] > 0
+    assert wake["cold_vs_floor"] > 0
+    assert wake["reserved_ahead_vs_floor"] > 0
     assert results["release_beside_work"] == {"skipped": "GPU only"}
     assert results["bookkeeping"]["driver_calls_per_commit"] == pytest.approx(4, abs=0.1)
     for rows in results["overhead"].values():
@@ -43,6 +48,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert "physical overhead" in out
     assert "pooled handles vs new" in out
     assert "reserved ahead while asleep" in out
+    assert "vs the memset floor" in out
 
 
 def test_the_expandable_segments_peer_runs_in_a_process_of_its_own() -> None:
@@ -55,3 +61,19 @@ def test_the_expandable_segments_peer_runs_in_a_process_of_its_own() -> None:
     costs = _grow_expandable_segments(torch.device("cpu"), 8 << 20, 4)
     assert len(costs) == 4
     assert all(cost > 0 for cost in costs)
+
+
+def test_a_bench_cut_short_keeps_the_suites_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from extensible_kv.bench import suites
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suites, "large_wake", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "--quick", "--device", "cpu", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {"commit_vs_zeros", "growth", "sleep_wake"} <= set(results)
+    assert "large_wake" not in results

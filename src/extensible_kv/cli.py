@@ -301,7 +301,7 @@ def _demo_ranks(world_size: int, settings: FlowSettings, device: torch.device, o
 
 
 def bench(args: argparse.Namespace) -> int:
-    from extensible_kv.bench import SUITES, BenchPlan, run, save
+    from extensible_kv.bench import SUITES, BenchPlan, run, save, save_json
     from extensible_kv.bench.report import tables
 
     device = args.device or _best_device()
@@ -322,7 +322,7 @@ def bench(args: argparse.Namespace) -> int:
         def advance(name: str) -> None:
             progress.update(task, description=name, completed=names.index(name))
 
-        results = run(device, plan, advance)
+        results = run(device, plan, advance, lambda partial: save_json(partial, args.out))
         progress.update(task, description="done", completed=len(names))
     for table in tables(results):
         console.print(table)

@@ -21,6 +21,7 @@ SUITES = (
     "commit_vs_zeros",
     "growth",
     "sleep_wake",
+    "large_wake",
     "release_beside_work",
     "pooled_regrowth",
     "view_access",
@@ -39,6 +40,7 @@ class BenchPlan:
     growth_steps: int = 32
     sleep_layers: int = 8
     sleep_layer_bytes: int = 32 * MiB
+    wake_bytes: int = 1024 * MiB
     regrow_bytes: int = 256 * MiB
     view_bytes: int = 256 * MiB
     bookkeeping_granules: int = 100_000
@@ -55,6 +57,7 @@ class BenchPlan:
                 growth_steps=8,
                 sleep_layers=2,
                 sleep_layer_bytes=4 * MiB,
+                wake_bytes=32 * MiB,
                 regrow_bytes=16 * MiB,
                 view_bytes=16 * MiB,
                 bookkeeping_granules=1000,
@@ -69,6 +72,7 @@ class BenchPlan:
                 growth_steps=64,
                 sleep_layers=32,
                 sleep_layer_bytes=64 * MiB,
+                wake_bytes=64 << 30,
                 regrow_bytes=4 << 30,
                 view_bytes=1 << 30,
             )
@@ -76,9 +80,16 @@ class BenchPlan:
 
 
 def run(
-    device: torch.device, plan: BenchPlan, progress: Callable[[str], None] = lambda _: None
+    device: torch.device,
+    plan: BenchPlan,
+    progress: Callable[[str], None] = lambda _: None,
+    checkpoint: Callable[[dict[str, Any]], object] = lambda _: None,
 ) -> dict[str, Any]:
-    """Every suite on ``device``; returns the results as plain data."""
+    """Every suite on ``device``; returns the results as plain data.
+
+    ``progress`` gets each suite's name as it starts, ``checkpoint`` the
+    results so far as each ends (so that a run cut short keeps them).
+    """
     warm_up(device, 2 * max(plan.largest_commit, plan.growth_total) // 2)
     results: dict[str, Any] = {
         "device": str(device),
@@ -94,6 +105,7 @@ def run(
         "sleep_wake": lambda: suites.sleep_wake(
             device, plan.sleep_layers, plan.sleep_layer_bytes, plan.repeats
         ),
+        "large_wake": lambda: suites.large_wake(device, plan.wake_bytes, plan.repeats),
         "release_beside_work": lambda: suites.release_beside_work(
             device, plan.sleep_layers, plan.sleep_layer_bytes, plan.repeats
         ),
@@ -107,6 +119,7 @@ def run(
     for name in SUITES:
         progress(name)
         results[name] = steps[name]()
+        checkpoint(results)
     return results
 
 
@@ -114,7 +127,12 @@ def save(results: dict[str, Any], out: Path) -> list[Path]:
     """Write ``results.json`` and the plots into ``out``; returns the files."""
     from extensible_kv.bench.report import plot
 
+    return [save_json(results, out), *plot(results, out)]
+
+
+def save_json(results: dict[str, Any], out: Path) -> Path:
+    """Write ``results.json`` into ``out`` (made if missing); returns it."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     path.write_text(json.dumps(results, indent=2))
-    return [path, *plot(results, out)]
+    return path

@@ -8,6 +8,7 @@ from typing import Any
 from rich.table import Table
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def _ms(stats: dict[str, float]) -> str:
@@ -79,6 +80,20 @@ def tables(results: dict[str, Any]) -> list[Table]:
     table.add_row(
         "preserving vs per-allocation", f"{sleep['preserving_vs_per_allocation']:.2f}x faster"
     )
+    out.append(table)
+
+    wake = results["large_wake"]
+    size = f"{wake['bytes'] / GiB:.1f} GiB"
+    table = Table(title=f"3c. discarding wake of {size} (32 layers) vs the memset floor")
+    for column in ("wake", "time", "x the floor (GPU goal <= 2)"):
+        table.add_column(column, justify="right")
+    table.add_row("memory created by the wake", _ms(wake["cold"]), f"{wake['cold_vs_floor']:.1f}x")
+    table.add_row(
+        "memory reserved ahead while asleep",
+        _ms(wake["reserved_ahead"]),
+        f"{wake['reserved_ahead_vs_floor']:.1f}x",
+    )
+    table.add_row("zero_() of as many bytes (floor)", _ms(wake["memset_floor"]), "1.0x")
     out.append(table)
 
     beside = results["release_beside_work"]

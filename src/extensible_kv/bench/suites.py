@@ -384,6 +384,50 @@ def pooled_regrowth(device: torch.device, total: int, repeats: int) -> Row:
     }
 
 
+# 3c. waking a large cache vs the memset floor ------------------------------------
+
+#: Layers of the large-wake cache, as in a mid-size model.
+LARGE_WAKE_LAYERS = 32
+
+
+def _timed_wakes(cache: KVCacheBuffers, device: torch.device, repeats: int, ahead: bool) -> Stats:
+    times = []
+    for _ in range(repeats):
+        cache.release_physical()
+        if ahead:
+            cache.reserve_ahead(cache.num_blocks_capacity).result()
+        times.append(timed(cache.recommit, device))
+    return Stats.of(times)
+
+
+def large_wake(device: torch.device, total: int, repeats: int) -> Row:
+    """A discarding wake of a ``total``-byte cache (at most half the free
+    memory) against the memset floor, ``zero_()`` of as many bytes already
+    allocated: cold (memory created by the wake) and with the memory
+    reserved ahead while asleep. One of the three fits at a time, so they
+    run one after another rather than interleaved."""
+    unit = LARGE_WAKE_LAYERS * 2 * 256 * 1024
+    size = min(total, free_bytes(device) // 2) // unit * unit
+    layer_bytes = size // LARGE_WAKE_LAYERS
+    cache = _kv_cache(device, LARGE_WAKE_LAYERS, layer_bytes)
+    cold = _timed_wakes(cache, device, repeats, ahead=False)
+    cache.free()
+    pool = PoolingDriver(get_driver(device), cap_bytes=size)
+    cache = _kv_cache(device, LARGE_WAKE_LAYERS, layer_bytes, pool)
+    ahead = _timed_wakes(cache, device, repeats, ahead=True)
+    cache.free()
+    pool.drain()
+    filled = torch.empty(size, dtype=torch.uint8, device=device)
+    floor = Stats.of([timed(filled.zero_, device) for _ in range(repeats)])
+    del filled
+    return {
+        "bytes": size,
+        **_stats_row(cold=cold, reserved_ahead=ahead, memset_floor=floor),
+        "cold_vs_floor": cold.median / floor.median,
+        "reserved_ahead_vs_floor": ahead.median / floor.median,
+    }
+
+
 # 4. view access ------------------------------------------------------------------
 
 
