@@ -49,6 +49,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert "pooled handles vs new" in out
     assert "reserved ahead while asleep" in out
     assert "vs the memset floor" in out
+    assert out.count("not measured on this machine (no GPU)") == 4, "the GPU-only goals"
 
 
 def test_the_expandable_segments_peer_runs_in_a_process_of_its_own() -> None:

@@ -158,7 +158,59 @@ def tables(results: dict[str, Any]) -> list[Table]:
             cells.append(f"{row['overhead'] / MiB:.1f} MiB ({share:.0%})")
         table.add_row(name, *cells)
     out.append(table)
+    out.append(goals(results))
     return out
+
+
+#: What a GPU row says on a machine without one.
+NOT_MEASURED = "not measured on this machine (no GPU)"
+
+
+def goals(results: dict[str, Any]) -> Table:
+    """The performance goals, each with what this run measured for it."""
+    on_gpu = str(results["device"]).startswith("cuda")
+    table = Table(title="Goals (ratios of medians)")
+    for column in ("goal", "target", "measured"):
+        table.add_column(column)
+    zeros = ", ".join(
+        f"{row['bytes'] / GiB:g} GiB: {1 / row['ratio']:.2f}" for row in results["commit_vs_zeros"]
+    )
+    regrow, wake = results["pooled_regrowth"], results["large_wake"]
+    sleep, beside = results["sleep_wake"], results["release_beside_work"]
+    steps = {int(k): v for k, v in results["bookkeeping"]["null_driver_seconds_per_commit"].items()}
+    flat = [v * 1e6 for k, v in steps.items() if k >= 10]
+    rows = (
+        ("GPU commit + zero / torch.zeros", "<= 1.1", zeros),
+        ("GPU commit throughput, pool warm", ">= 50 GB/s", f"{regrow['pool_GBps']:.1f} GB/s"),
+        (
+            "GPU wake (discarding) / memset floor",
+            "<= 2 at 64 GiB",
+            f"{wake['cold_vs_floor']:.1f} at {wake['bytes'] / GiB:.1f} GiB "
+            f"({wake['reserved_ahead_vs_floor']:.1f} with its memory reserved ahead)",
+        ),
+    )
+    for goal, target, measured in rows:
+        table.add_row(goal, target, measured if on_gpu else NOT_MEASURED)
+    table.add_row(
+        "preserving sleep + wake, share of a plain copy_'s speed",
+        ">= 0.8",
+        f"{sleep['preserving_fraction_of_roof']:.2f} "
+        f"({sleep['reserved_ahead_fraction_of_roof']:.2f} with the wake's memory reserved ahead)",
+    )
+    table.add_row(
+        "a release beside work on another stream",
+        "does not wait for it",
+        NOT_MEASURED
+        if "skipped" in beside
+        else f"{beside['streams']['median'] * 1e3:.1f} ms with its own stream, "
+        f"{beside['device_wide']['median'] * 1e3:.1f} ms waiting for the device",
+    )
+    table.add_row(
+        "bookkeeping per commit",
+        "flat to 100k granules",
+        f"{min(flat):.0f}-{max(flat):.0f} us from 10 to {max(steps):,} granules",
+    )
+    return table
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
