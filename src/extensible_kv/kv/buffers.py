@@ -297,14 +297,18 @@ class KVCacheBuffers:
         """
         self._commit(num_blocks, defragment)
 
-    def _commit(self, num_blocks: int, defragment: bool = False) -> None:
-        self._check_alive("commit()")
+    def _check_count(self, what: str, num_blocks: int) -> None:
+        """Refuse a block count outside 0 to the capacity, naming ``what`` it was for."""
         check_int("num_blocks", num_blocks)
         if not 0 <= num_blocks <= self.num_blocks_capacity:
             raise ValueError(
-                f"cannot commit {num_blocks} blocks; the capacity is "
+                f"cannot {what} {num_blocks} blocks; the capacity is "
                 f"{self.num_blocks_capacity} blocks"
             )
+
+    def _commit(self, num_blocks: int, defragment: bool = False) -> None:
+        self._check_alive("commit()")
+        self._check_count("commit", num_blocks)
         if defragment:
             if not self._holds_exactly(num_blocks):
                 self._check_unregistered("a defragmenting commit")
@@ -450,12 +454,7 @@ class KVCacheBuffers:
         pools, so reserve after :meth:`release_physical`, not before.
         """
         self._check_alive("reserve_ahead()")
-        check_int("num_blocks", num_blocks)
-        if not 0 <= num_blocks <= self.num_blocks_capacity:
-            raise ValueError(
-                f"cannot reserve for {num_blocks} blocks; the capacity is "
-                f"{self.num_blocks_capacity} blocks"
-            )
+        self._check_count("reserve for", num_blocks)
         handles = [
             handle
             for buffer, per_block in self.buffers
