@@ -67,7 +67,7 @@ LIMITS = {
     "probe": 60,
     "machine": 60,
     "tests": 270,
-    "bench": 90,
+    "bench": 150,
     "memcheck": 60,
 }
 TRACEBACK = "Traceback (most recent call last):"
