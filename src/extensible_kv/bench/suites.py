@@ -209,15 +209,18 @@ def growth(device: torch.device, total: int, steps: int, repeats: int) -> Row:
 # 3. sleep and wake -------------------------------------------------------------
 
 
+#: Bytes of a block in each of the bench caches' two segments (K and V).
+BLOCK_BYTES = 256 * 1024
+
+
 def _kv_cache(
     device: torch.device, layers: int, layer_bytes: int, driver: Driver | None = None
 ) -> KVCacheBuffers:
-    per_block = 256 * 1024
-    blocks = layer_bytes // (2 * per_block)
+    blocks = layer_bytes // (2 * BLOCK_BYTES)
     buffers = [
         (
-            ExtensibleTensor(2 * blocks * per_block, device, num_segments=2, driver=driver),
-            per_block,
+            ExtensibleTensor(2 * blocks * BLOCK_BYTES, device, num_segments=2, driver=driver),
+            BLOCK_BYTES,
         )
         for _ in range(layers)
     ]
@@ -406,7 +409,7 @@ def large_wake(device: torch.device, total: int, repeats: int) -> Row:
     allocated: cold (memory created by the wake) and with the memory
     reserved ahead while asleep. One of the three fits at a time, so they
     run one after another rather than interleaved."""
-    unit = LARGE_WAKE_LAYERS * 2 * 256 * 1024
+    unit = LARGE_WAKE_LAYERS * 2 * BLOCK_BYTES
     size = min(total, free_bytes(device) // 2) // unit * unit
     layer_bytes = size // LARGE_WAKE_LAYERS
     cache = _kv_cache(device, LARGE_WAKE_LAYERS, layer_bytes)

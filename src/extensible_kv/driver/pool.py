@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -105,12 +105,9 @@ class PoolingDriver(DriverAdaptor):
     def release(self, handle: int) -> None:
         with self._lock:
             kind = self._kinds.get(handle)
-            if kind is not None and not self._mappings_of.get(handle):
-                size, device, _ = kind
-                if self._idle_bytes.get(device, 0) + size <= self.cap_bytes:
-                    self._idle.setdefault(kind, []).append(handle)
-                    self._idle_bytes[device] = self._idle_bytes.get(device, 0) + size
-                    return
+            if kind is not None and not self._mappings_of.get(handle) and self._fits(kind):
+                self._keep_idle(kind, handle)
+                return
         self._call("release", handle)
         with self._lock:
             self._kinds.pop(handle, None)
@@ -132,6 +129,17 @@ class PoolingDriver(DriverAdaptor):
                     del self._mappings_of[handle]
 
     # -- the pool itself ---------------------------------------------------------
+
+    def _fits(self, kind: Kind) -> bool:
+        """Whether one more idle handle of ``kind`` stays within the cap (under the lock)."""
+        size, device, _ = kind
+        return self._idle_bytes.get(device, 0) + size <= self.cap_bytes
+
+    def _keep_idle(self, kind: Kind, handle: int) -> None:
+        """Put ``handle`` in the idle pool (under the lock)."""
+        size, device, _ = kind
+        self._idle.setdefault(kind, []).append(handle)
+        self._idle_bytes[device] = self._idle_bytes.get(device, 0) + size
 
     def drain(self) -> int:
         """Release every idle handle to the driver; returns the bytes.
@@ -163,12 +171,11 @@ class PoolingDriver(DriverAdaptor):
         kind = (size, device, shareable)
         for _ in range(count):
             with self._lock:
-                if self._idle_bytes.get(device, 0) + size > self.cap_bytes:
+                if not self._fits(kind):
                     break
             handle = self._create(kind)
             with self._lock:
-                self._idle.setdefault(kind, []).append(handle)
-                self._idle_bytes[device] = self._idle_bytes.get(device, 0) + size
+                self._keep_idle(kind, handle)
             added += 1
         return added
 
@@ -187,11 +194,17 @@ def _in_background(work: Callable[..., int], *args: Any) -> Future[int]:
     return future
 
 
+def _pools_in(driver: Any) -> Iterator[PoolingDriver]:
+    """The :class:`PoolingDriver` adaptors in ``driver``'s chain, top down."""
+    while driver is not None:
+        if isinstance(driver, PoolingDriver):
+            yield driver
+        driver = getattr(driver, "inner", None)
+
+
 def find_pool(driver: Any) -> PoolingDriver | None:
     """The first :class:`PoolingDriver` in ``driver``'s adaptor chain, if any."""
-    while driver is not None and not isinstance(driver, PoolingDriver):
-        driver = getattr(driver, "inner", None)
-    return driver
+    return next(_pools_in(driver), None)
 
 
 def fill_pools_in_background(handles: Iterable[tuple[PoolingDriver, Kind]]) -> Future[int]:
@@ -213,9 +226,4 @@ def fill_pools_in_background(handles: Iterable[tuple[PoolingDriver, Kind]]) -> F
 def drain_pools(driver: Any) -> int:
     """Drain every :class:`PoolingDriver` in ``driver``'s adaptor chain;
     returns the bytes given back to the driver."""
-    drained = 0
-    while driver is not None:
-        if isinstance(driver, PoolingDriver):
-            drained += driver.drain()
-        driver = getattr(driver, "inner", None)
-    return drained
+    return sum(pool.drain() for pool in _pools_in(driver))

@@ -619,7 +619,7 @@ class KVCacheBuffers:
             try:
                 first = 0
                 for buffer, per_block in self.buffers:
-                    resize_per_segment_all([(buffer, num_blocks * per_block)])
+                    buffer.resize_per_segment_(num_blocks * per_block)
                     committed.append(buffer)
                     restorer.copy(range(first, first + buffer.num_segments))
                     first += buffer.num_segments
