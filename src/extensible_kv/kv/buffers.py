@@ -162,6 +162,22 @@ class KVCacheBuffers:
         """Physical memory held, summed over buffers (whole granules)."""
         return sum(buffer.physical_bytes for buffer, _ in self.buffers)
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Address space reserved, summed over buffers (whole granules)."""
+        return sum(buffer.capacity_bytes for buffer, _ in self.buffers)
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the committed blocks, summed over buffers and segments,
+        before rounding to granules (0 while released)."""
+        return sum(buffer.num_bytes for buffer, _ in self.buffers)
+
+    @property
+    def base_ptrs(self) -> list[int]:
+        """Each buffer's base address, in order: constant until :meth:`free`."""
+        return [buffer.base_ptr for buffer, _ in self.buffers]
+
     def _check_awake(self, what: str) -> None:
         self._check_alive(what)
         if self.released:

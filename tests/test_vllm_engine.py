@@ -1,0 +1,230 @@
+"""A released vLLM (0.32, CPU build) on extensible-kv, against stock vLLM.
+
+Every engine runs in a process of its own (``tests/vllm_engine.py``), with
+tiny random models made here by transformers: a GQA Llama and a Qwen3.
+Greedy tokens of 8 prompts in one batch (prefix caching and chunked
+prefill on) must equal stock vLLM's, before and after sleep and wake. Runs
+in ``nox -s vllm``; skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from extensible_kv.demo.tiny_models import save_tiny_model
+
+ENGINE = Path(__file__).resolve().parent / "vllm_engine.py"
+
+
+def run_engine(settings: dict[str, Any], *, expect_failure: bool = False) -> dict[str, Any]:
+    """Run one engine and return its report (or, failing as expected, its output)."""
+    result = subprocess.run(
+        [sys.executable, str(ENGINE), json.dumps(settings)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    if expect_failure:
+        assert result.returncode != 0, output[-3000:]
+        return {"output": output}
+    assert result.returncode == 0, output[-6000:]
+    line = next(x for x in reversed(result.stdout.splitlines()) if x.startswith("RESULT "))
+    report: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return report
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(save_tiny_model(arch, root / arch)) for arch in ("llama", "qwen3")}
+
+
+_stock: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def stock(models: dict[str, str], arch: str, dtype: str) -> dict[str, Any]:
+    """Stock vLLM's run of that model, made once per module."""
+    if (arch, dtype) not in _stock:
+        _stock[arch, dtype] = run_engine({"model": models[arch], "worker": "stock", "dtype": dtype})
+    return _stock[arch, dtype]
+
+
+def assert_views_in_reservation(report: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Every KV tensor vLLM bound lies in our reservation, shaped as stock's."""
+    state = report["state_start"]
+    (base,) = state["base_ptrs"]
+    end = base + state["reserved_bytes"]
+    assert report["bound"], "vLLM bound no KV tensor"
+    for tensor in report["bound"]:
+        assert base <= tensor["ptr"] < tensor["end"] <= end, tensor
+    ours = [(t["name"], t["shape"], t["stride"], t["dtype"]) for t in report["bound"]]
+    theirs = [(t["name"], t["shape"], t["stride"], t["dtype"]) for t in reference["bound"]]
+    assert ours == theirs
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "multiprocessing"),
+    [
+        ("llama", "float32", False),
+        ("llama", "bfloat16", True),
+        ("qwen3", "float32", True),
+        ("qwen3", "bfloat16", False),
+    ],
+)
+def test_tokens_match_stock_vllm_through_sleep_and_wake(
+    models: dict[str, str], arch: str, dtype: str, multiprocessing: bool
+) -> None:
+    reference = stock(models, arch, dtype)
+    report = run_engine(
+        {
+            "model": models[arch],
+            "worker": "ours",
+            "dtype": dtype,
+            "multiprocessing": multiprocessing,
+            "steps": ["sleep"],
+        }
+    )
+    assert report["tokens"] == reference["tokens"]
+    assert report["tokens_again"] == reference["tokens"]  # served partly from the prefix cache
+    assert report["tokens_after_wake"] == reference["tokens"]
+    assert_views_in_reservation(report, reference)
+
+    before, asleep, awake = (report[f"state_{x}"] for x in ("before_sleep", "asleep", "awake"))
+    assert before["physical_bytes"] >= before["committed_bytes"] > 0
+    assert not before["asleep"]
+    assert asleep["asleep"]
+    assert not awake["asleep"]
+    assert asleep["physical_bytes"] == asleep["committed_bytes"] == 0
+    assert asleep["num_blocks_committed"] == 0
+    assert before["base_ptrs"] == asleep["base_ptrs"] == awake["base_ptrs"]
+    assert awake["physical_bytes"] == before["physical_bytes"]
+    assert awake["num_blocks_committed"] == before["num_blocks_committed"]
+    assert before["num_blocks_capacity"] > before["num_blocks_committed"]
+    assert report["rss_before_sleep"] - report["rss_asleep"] >= 0.99 * before["physical_bytes"]
+    assert report["nonzero_after_wake"] == 0  # the wake's memory is zeroed
+
+
+def test_stock_vllm_keeps_every_byte_on_cpu_sleep(models: dict[str, str]) -> None:
+    """What the docs' table says of stock 0.32 on CPU: sleep frees nothing."""
+    report = run_engine({"model": models["llama"], "worker": "stock", "steps": ["sleep"]})
+    assert report["rss_before_sleep"] - report["rss_asleep"] < 16 << 20
+    assert report["tokens_after_wake"] == report["tokens"]
+
+
+def test_tags_level_two_and_discard_behave_as_vllm_documents(models: dict[str, str]) -> None:
+    reference = stock(models, "llama", "float32")
+    # release_kv_cache_memory needs the engine loop of vLLM's engine process.
+    report = run_engine(
+        {
+            "model": models["llama"],
+            "worker": "ours",
+            "multiprocessing": True,
+            "steps": ["tags", "level2", "discard", "again"],
+        }
+    )
+    weights_only = report["state_weights_only"]
+    assert report["fully_awake_weights"] is False  # the KV cache still sleeps
+    assert weights_only["asleep"]
+    assert weights_only["physical_bytes"] == 0
+    assert report["fully_awake_kv"] is True
+    assert not report["state_kv_woken"]["asleep"]
+    assert report["state_level2"]["physical_bytes"] == 0
+    assert report["state_discarded"]["asleep"]
+    assert report["state_discarded"]["physical_bytes"] == 0
+    rewoken = report["state_rewoken"]
+    assert not rewoken["asleep"]
+    assert rewoken["base_ptrs"] == report["state_start"]["base_ptrs"]
+    assert rewoken["physical_bytes"] == report["state_start"]["physical_bytes"]
+    for label in ("after_tags", "after_level2", "after_discard"):
+        assert report[f"tokens_{label}"] == reference["tokens"], label
+    assert "already reserved" in report["again"]
+    assert report["state_after_again"] == rewoken  # the refusal changed nothing
+
+
+def test_a_discarding_sleep_is_refused_while_a_kv_connector_is_configured(
+    models: dict[str, str], tmp_path: Path
+) -> None:
+    report = run_engine(
+        {
+            "model": models["llama"],
+            "worker": "ours",
+            "connector": str(tmp_path / "kv"),
+            "steps": ["refused"],
+        }
+    )
+    assert "ExampleConnector has registered" in report["refused"]
+    assert report["state_refused"] == report["state_start"]
+    # Generation goes on after the wake (vLLM's ExampleConnector then loads
+    # saved KV of its own, so the tokens are its business, not compared here).
+    assert [len(t) for t in report["tokens_after_refused"]] == [len(t) for t in report["tokens"]]
+
+
+def test_a_capacity_option_is_reserved_for(models: dict[str, str]) -> None:
+    report = run_engine(
+        {
+            "model": models["llama"],
+            "worker": "ours",
+            "additional_config": {"extensible_kv": {"num_blocks_capacity": 4096}},
+        }
+    )
+    state = report["state_start"]
+    assert state["num_blocks_capacity"] == 4096
+    assert state["num_blocks_committed"] < 4096
+    assert report["tokens"] == stock(models, "llama", "float32")["tokens"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_blocks_capacity": 1}, "below the"),
+        ({"num_blocks_capacity": "lots"}, "give an int"),
+        ({"capacity": 4096}, "takes num_blocks_capacity only"),
+    ],
+)
+def test_bad_configuration_is_one_clear_line(
+    models: dict[str, str], options: dict[str, Any], message: str
+) -> None:
+    result = run_engine(
+        {
+            "model": models["llama"],
+            "worker": "ours",
+            "additional_config": {"extensible_kv": options},
+        },
+        expect_failure=True,
+    )
+    # Raised by the worker before vLLM builds anything over the memory; vLLM
+    # prints it as the last line of its traceback (prefixed "[rank0]: ").
+    lines = [line for line in result["output"].splitlines() if "additional_config" in line]
+    ours = [line.partition("ValueError: ")[2] for line in lines if "ValueError: " in line]
+    assert any(message in line for line in ours), lines
+
+
+def test_without_vmm_it_falls_back_to_stock_with_one_warning(models: dict[str, str]) -> None:
+    report = run_engine({"model": models["llama"], "worker": "ours", "fallback": True})
+    assert len(report["warnings"]) == 1
+    assert "vLLM allocates its KV cache itself" in report["warnings"][0]
+    assert report["tokens"] == stock(models, "llama", "float32")["tokens"]
+    assert report["state_start"]["enabled"] is False
+    assert report["state_start"]["base_ptrs"] == []
+
+
+def test_the_sleep_wake_example_runs_and_checks_itself() -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "vllm_sleep_wake.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--kv-mib", "64"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "asleep:     0.0 MiB of KV memory" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("ok: ")
