@@ -101,11 +101,20 @@ def run_child(model: str, worker: str, kv_bytes: int) -> dict[str, Any]:
 
 
 def table(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """Medians side by side. Where stock's sleep freed nothing (its CPU
+    build), its sleep and wake did no work, and no ratio is given."""
+    median = {
+        kind: {key: statistics.median(run[key] for run in runs[kind]) for key, _, _ in FIGURES}
+        for kind in runs
+    }
+    stock_sleeps = median["stock"]["rss_asleep"] < 0.99 * median["stock"]["rss_before"]
     rows = ["| figure | stock vLLM | extensible-kv | ours / stock |", "| --- | --- | --- | --- |"]
     for key, label, unit in FIGURES:
-        stock = statistics.median(run[key] for run in runs["stock"])
-        ours = statistics.median(run[key] for run in runs["ours"])
-        ratio = f"{ours / stock:.2f}" if stock else "-"
+        stock, ours = median["stock"][key], median["ours"][key]
+        if key in ("sleep_s", "wake_s") and not stock_sleeps:
+            ratio = "- (stock frees nothing)"
+        else:
+            ratio = f"{ours / stock:.2f}" if stock else "-"
         rows.append(f"| {label} ({unit}) | {stock:.4g} | {ours:.4g} | {ratio} |")
     return "\n".join(rows)
 

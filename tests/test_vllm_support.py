@@ -1,0 +1,37 @@
+"""The vLLM range the worker supports, checked before vLLM is imported."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import pytest
+
+from extensible_kv.integrations.vllm_support import (
+    SUPPORTED_VLLM,
+    check_vllm_version,
+    installed_vllm,
+)
+
+
+@pytest.mark.parametrize("found", ["0.32.0", "0.32.0+cpu", "0.32.4", "0.33.0", "0.33.2rc1"])
+def test_releases_in_the_range_pass(found: str) -> None:
+    check_vllm_version(found)
+
+
+@pytest.mark.parametrize("found", ["0.31.9", "0.34.0", "1.0.0", "0.30.0+cpu", "nightly"])
+def test_releases_outside_fail_with_one_line_naming_the_range(found: str) -> None:
+    with pytest.raises(ImportError) as caught:
+        check_vllm_version(found)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert SUPPORTED_VLLM in message
+    assert found in message
+
+
+def test_importing_the_worker_without_vllm_says_what_it_needs() -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here (nox -s vllm)")
+    assert installed_vllm() is None
+    with pytest.raises(ImportError, match=f"needs vLLM {SUPPORTED_VLLM}; vLLM is not installed"):
+        importlib.import_module("extensible_kv.integrations.vllm")
