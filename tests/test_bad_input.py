@@ -167,3 +167,72 @@ def test_use_after_free(
     with pytest.raises(ValueError, match="has been freed"):
         call(et)
     assert snapshot(et, stats) == before
+
+
+def test_a_checked_view_past_the_end_is_refused(stats: StatisticsDriver) -> None:
+    et = ExtensibleTensor(4 << 20, "cpu", num_segments=2, driver=stats)
+    et.resize_per_segment_(1 << 20)
+    before = snapshot(et, stats)
+    for offset in (4 << 20, (4 << 20) + 1, 1 << 40, 1 << 63):
+        with pytest.raises(ValueError, match="not all committed"):
+            et.checked_view(offset, 0)
+    assert et.checked_view(2 << 20, 0).numel() == 0  # the start of segment 1: committed
+    assert snapshot(et, stats) == before
+    et.free()
+
+
+def test_buffers_joining_a_cache_must_be_extensible_tensors(stats: StatisticsDriver) -> None:
+    from extensible_kv.kv import KVCacheBuffers
+
+    et = ExtensibleTensor(1 << 20, "cpu", driver=stats)
+    cache = KVCacheBuffers([(et, 1024)], 64)
+    cache.commit(4)
+    for items, message in (
+        ([(torch.zeros(4), 1024)], "ExtensibleTensor"),
+        ([("buffer", 1024)], "ExtensibleTensor"),
+        ([et], "pairs"),
+        ([(et,)], "pairs"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            cache.add_all(items)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=message):
+            KVCacheBuffers(items, 64)  # type: ignore[arg-type]
+    assert [b for b, _ in cache.buffers] == [et]
+    assert cache.num_blocks_committed == 4
+    cache.free()
+
+
+@pytest.mark.parametrize("handle", [1.5, True, "7", -1, 2**64, None])
+def test_stream_handles_are_checked_at_the_call(stats: StatisticsDriver, handle: Any) -> None:
+    from extensible_kv.kv import KVCacheBuffers
+
+    et = ExtensibleTensor(1 << 20, "cpu", driver=stats)
+    cache = KVCacheBuffers([(et, 1024)], 64)
+    cache.wait_for_streams([7])
+    with pytest.raises((TypeError, ValueError), match="stream"):
+        cache.wait_for_streams([handle])
+    assert et.buffer.wait_streams == (7,)  # as before the refused call
+    cache.wait_for_streams([0, 2**64 - 1])  # the legacy default stream, the largest handle
+    cache.release_physical()
+    cache.free()
+
+
+def test_booleans_must_be_booleans(stats: StatisticsDriver) -> None:
+    from extensible_kv.kv import ExtensibleKVCacheBuilder, KVCacheBuffers
+
+    et = ExtensibleTensor(1 << 20, "cpu", driver=stats)
+    cache = KVCacheBuffers([(et, 1024)], 64)
+    cache.commit(4)
+    et.full_view()[:1024].fill_(3)
+    for call in (
+        lambda: cache.extend(4, defragment="no"),  # type: ignore[arg-type]
+        lambda: cache.commit(4, defragment=1),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError, match="defragment must be a bool"):
+            call()
+    assert et.full_view()[:1024].eq(3).all()  # nothing was discarded
+    with pytest.raises(TypeError, match="shareable must be a bool"):
+        ExtensibleKVCacheBuilder(64, "cpu", shareable="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="shareable must be a bool"):
+        ExtensibleTensor(1 << 20, "cpu", shareable="no", driver=stats)  # type: ignore[arg-type]
+    cache.free()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -159,19 +161,58 @@ def test_a_defragmenting_commit_holds_exactly_the_count_asked(
     assert stats.live == LiveUsage()
 
 
-def test_a_defragmenting_commit_already_done_keeps_live_data(
+def test_a_defragmenting_commit_already_done_still_zeroes_without_remapping(
     stats: StatisticsDriver, device: str
 ) -> None:
-    """Running the final commit again (vLLM's elastic EP re-runs warm-up)
-    must not discard the blocks the engine is serving from."""
+    """A defragment discards, as the seed's did: a cache that already holds
+    exactly that count in one chunk per segment takes the cheap path (no
+    driver call) but its blocks still read zero after."""
     cache = make_cache(device, stats)
     cache.commit(20, defragment=True)
     for buffer, per_block in cache.buffers:
-        block(buffer, per_block, 0, 19).fill_(7)
-    cache.ensure_blocks(1)
+        for segment in range(buffer.num_segments):
+            block(buffer, per_block, segment, 19).fill_(7)
+            block(buffer, per_block, segment, 0).fill_(7)
+
+    def mapping_calls() -> dict[str, int]:
+        return {name: stats.calls[name].calls for name in ("create", "map", "unmap", "release")}
+
+    before = mapping_calls()
     cache.commit(20, defragment=True)
+    assert mapping_calls() == before  # no remap
     for buffer, per_block in cache.buffers:
-        assert block(buffer, per_block, 0, 19).eq(7).all()
+        for segment in range(buffer.num_segments):
+            assert int(block(buffer, per_block, segment, 19).count_nonzero()) == 0
+            assert int(block(buffer, per_block, segment, 0).count_nonzero()) == 0
+    cache.free()
+
+
+@pytest.mark.parametrize("call", ["synchronize", "context"])
+def test_a_failed_defragmenting_commit_changes_nothing(
+    stats: StatisticsDriver, device: str, call: str
+) -> None:
+    """From 5 to 6 blocks inside the same granules, failing before anything
+    moved: the count and the bytes are as before, and a retry zeroes."""
+    faulty = FaultInjectingDriver(stats)
+    cache = make_cache(device, faulty)
+    cache.commit(5, defragment=True)
+    for buffer, per_block in cache.buffers:
+        for segment in range(buffer.num_segments):
+            block(buffer, per_block, segment, 4).fill_(3)
+    faulty.fail_at(call)
+    with pytest.raises(DriverError):
+        cache.commit(6, defragment=True)
+    assert cache.num_blocks_committed == 5
+    for buffer, per_block in cache.buffers:
+        assert buffer.bytes_per_segment == 5 * per_block
+        for segment in range(buffer.num_segments):
+            assert block(buffer, per_block, segment, 4).eq(3).all()
+    cache.commit(6, defragment=True)
+    assert cache.num_blocks_committed == 6
+    for buffer, per_block in cache.buffers:
+        for segment in range(buffer.num_segments):
+            assert int(block(buffer, per_block, segment, 4).count_nonzero()) == 0
+            assert int(block(buffer, per_block, segment, 5).count_nonzero()) == 0
     cache.free()
 
 
@@ -360,21 +401,17 @@ class KVMachine(RuleBasedStateMachine):
             attempt(self.faulty, fault, lambda: self.cache.commit(n))
             self._grew_to(n)
             return
-        # A defragmenting commit holds exactly n blocks after, zeroed, unless
-        # the cache held exactly that already.
-        kept = n == self.committed and all(
-            in_one_chunk_per_segment(buffer) for buffer, _ in self.cache.buffers
-        )
+        # A defragmenting commit holds exactly n blocks after, zeroed (also
+        # when it held exactly that already: no remap, but zeroed).
         done = attempt(self.faulty, fault, lambda: self.cache.commit(n, defragment=True))
         now = self.cache.num_blocks_committed
         if done:
             assert now == n
         else:
             assert now in (self.committed, n), (now, self.committed, n)
-        if not kept:
-            self.model = {}
-            if done:
-                self._zero_blocks(0, n)
+        self.model = {}
+        if done:
+            self._zero_blocks(0, n)
         self.committed = now
         if done:
             self.wake_to = None
@@ -424,12 +461,15 @@ class KVMachine(RuleBasedStateMachine):
 
     @rule(preserve=st.booleans(), fault=faults)
     def release(self, preserve: bool, fault: Fault) -> None:
+        was_asleep = self.asleep_at is not None
         attempt(self.faulty, fault, lambda: self.cache.release_physical(preserve=preserve))
-        if self.asleep_at is None and self.cache.released:
+        if not was_asleep and self.cache.released:
             self.asleep_at = self.committed
             self.committed = 0
             self.kept = dict(self.model) if preserve else None
             self.model = {}
+        elif was_asleep and not preserve:
+            self.kept = None  # a discarding sleep forgets the host copy
 
     @rule(keep_host_memory=st.booleans(), fault=faults)
     def recommit(self, keep_host_memory: bool, fault: Fault) -> None:
@@ -526,3 +566,103 @@ def test_add_all_joins_every_buffer_or_none(stats: StatisticsDriver, device: str
     assert [b.bytes_per_segment for b, _ in extra] == [10 * 4096, 10 * 4096]
     cache.free()
     assert stats.live.handles == 0
+
+
+@pytest.mark.parametrize("keep_host_memory", [False, True])
+def test_a_preserving_sleep_keeps_the_last_block_of_every_segment(
+    stats: StatisticsDriver, device: str, keep_host_memory: bool
+) -> None:
+    """Every block filled with its own value, slept preserving and woken
+    (twice, so a kept host copy is reused): every block, the last of each
+    segment included, holds its value again."""
+    cache = make_cache(device, stats)
+    cache.commit(CAPACITY)
+
+    def value(b: int, segment: int, index: int) -> int:
+        return (b * 7 + segment * 3 + index) % 250 + 1
+
+    for b, (buffer, per_block) in enumerate(cache.buffers):
+        for segment in range(buffer.num_segments):
+            for index in range(CAPACITY):
+                block(buffer, per_block, segment, index).fill_(value(b, segment, index))
+    for _ in range(2):
+        cache.release_physical(preserve=True)
+        assert cache.physical_bytes == 0
+        cache.recommit(keep_host_memory=keep_host_memory)
+        for b, (buffer, per_block) in enumerate(cache.buffers):
+            for segment in range(buffer.num_segments):
+                last = block(buffer, per_block, segment, CAPACITY - 1)
+                assert last.eq(value(b, segment, CAPACITY - 1)).all(), (b, segment)
+                for index in (0, CAPACITY // 2, CAPACITY - 2):
+                    kept = block(buffer, per_block, segment, index)
+                    assert kept.eq(value(b, segment, index)).all(), (b, segment, index)
+    cache.free()
+
+
+def test_a_discarding_sleep_after_a_preserving_one_forgets(
+    stats: StatisticsDriver, device: str
+) -> None:
+    cache = make_cache(device, stats)
+    cache.commit(8)
+    for buffer, per_block in cache.buffers:
+        block(buffer, per_block, 0, 7).fill_(5)
+    cache.release_physical(preserve=True)
+    assert cache.host_backup_bytes > 0
+    cache.release_physical()  # discarding: the host copy goes too
+    assert cache.host_backup_bytes == 0
+    cache.recommit()
+    assert cache.num_blocks_committed == 8
+    for buffer, per_block in cache.buffers:
+        assert int(block(buffer, per_block, 0, 7).count_nonzero()) == 0
+    cache.free()
+
+
+ASLEEP_CALLS = {
+    "register_external": "cache.register_external('nixl')",
+    "unregister_external": "cache.unregister_external('nixl')",
+    "add": "cache.add(ExtensibleTensor(CAP * 4096, 'cpu'), 4096)",
+    "add_all": "cache.add_all([(ExtensibleTensor(CAP * 4096, 'cpu'), 4096)])",
+    "wait_for_streams": "cache.wait_for_streams(None)",
+    "trim": "cache.trim(2)",
+    "defragment": "cache.defragment(preserve=True)",
+    "defragment_discarding": "cache.defragment(preserve=False)",
+    "reserve_ahead": "cache.reserve_ahead(8).result()",
+    "release_physical": "cache.release_physical(preserve=True)",
+    "narrowed_views": "kv.narrowed_views()",
+}
+
+
+@pytest.mark.parametrize("call", sorted(ASLEEP_CALLS))
+def test_no_call_kills_the_process_while_asleep(call: str) -> None:
+    """Every public call of a KV cache asleep after a preserving sleep works
+    or raises a ValueError; none touches unmapped memory (which would end the
+    process with SIGSEGV, so each runs in a process of its own). The cache
+    wakes with its contents after."""
+    program = f"""
+import torch
+from extensible_kv import ExtensibleTensor
+from extensible_kv.kv import (AttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheTensor,
+                              KVSplitBackend, allocate_kv_cache)
+CAP = 64
+spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+config = KVCacheConfig(CAP, (KVCacheTensor(CAP * spec.page_size_bytes, ("a",)),),
+                       (KVCacheGroup(("a",), spec),))
+kv = allocate_kv_cache(config, KVSplitBackend, "cpu")
+cache = kv.buffers
+cache.commit(8)
+kv.views["a"][:, :8].fill_(3)
+cache.release_physical(preserve=True)
+try:
+    {ASLEEP_CALLS[call]}
+    print("worked")
+except ValueError as exc:
+    print("refused:", exc)
+cache.recommit()
+assert bool(kv.views["a"][:, :8].eq(3).all()), "the contents were lost"
+print("woke")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.splitlines()[-1] == "woke"

@@ -1,8 +1,14 @@
 """PoolingDriver: released handles are reused by the next commit of their
 kind, within a cap; a sleep drains the pool; reused memory is zeroed when
-asked; nothing leaks or is released twice, whatever the sequence."""
+asked; memory a peer may map is never handed out again; nothing leaks or is
+released twice, whatever the sequence or the interleaving of threads."""
 
 from __future__ import annotations
+
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -14,9 +20,11 @@ from extensible_kv import (
     FaultInjectingDriver,
     PoolingDriver,
     StatisticsDriver,
+    get_driver,
 )
-from extensible_kv.driver import Driver, DriverError, drain_pools
+from extensible_kv.driver import Driver, DriverAdaptor, DriverError, drain_pools
 from extensible_kv.kv import KVCacheBuffers
+from extensible_kv.share import receive_tensor, send_tensor
 
 
 def test_a_released_handle_serves_the_next_create_of_its_kind(stats: StatisticsDriver) -> None:
@@ -123,11 +131,6 @@ def test_a_failing_release_in_a_drain_keeps_the_rest_for_a_retry(
     assert stats.live.handles == 2
     assert pool.drain() == 2 * g
     assert stats.live.handles == 0
-
-
-def test_a_negative_cap_is_refused(driver: Driver) -> None:
-    with pytest.raises(ValueError, match="cap_bytes must not be negative"):
-        PoolingDriver(driver, cap_bytes=-1)
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -293,3 +296,254 @@ def test_a_failing_create_while_reserving_surfaces_in_the_future(
     tensor.free()
     pool.drain()
     assert stats.live.handles == 0
+
+
+class GateDriver(DriverAdaptor):
+    """Stops the first call named ``at`` on its way to the driver until
+    :attr:`opened` is set (30 s at most): a test then acts while that call
+    is known to be in flight. :attr:`entered` says the call got there."""
+
+    def __init__(self, inner: Driver, at: str) -> None:
+        super().__init__(inner)
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        self._at = at
+        self._lock = threading.Lock()
+        self._armed = True
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if name == self._at:
+            with self._lock:
+                first, self._armed = self._armed, False
+            if first:
+                self.entered.set()
+                self.opened.wait(30)
+        return super()._call(name, *args)
+
+
+def test_memory_a_peer_maps_never_serves_another_tensor(
+    stats: StatisticsDriver, device: str
+) -> None:
+    """Freed after an export, shareable memory goes to the driver: the
+    importer keeps its mapping, and the next tensor gets memory of its own."""
+    g = stats.granularity(0, True)
+    pool = PoolingDriver(stats, cap_bytes=8 * g)
+    exporter = ExtensibleTensor(2 * g, device, shareable=True, driver=pool)
+    exporter.resize_(2 * g)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        send_tensor(ours, exporter)
+        importer = receive_tensor(theirs, device, driver=stats)
+    exporter.free()
+    assert pool.idle_handles == 0, "exported memory waits in the pool"
+    successor = ExtensibleTensor(2 * g, device, shareable=True, driver=pool)
+    successor.resize_per_segment_(2 * g, zero_new=True)
+    importer.tensor.fill_(0x11)
+    assert pool.hits == 0
+    assert int(successor.tensor.count_nonzero()) == 0, "the importer writes into the successor"
+    importer.free()
+    successor.free()
+    assert pool.idle_handles == 0
+    assert stats.live.handles == 0
+
+
+def test_a_drain_racing_a_create_releases_only_idle_handles(stats: StatisticsDriver) -> None:
+    """The create runs while the drain is inside the driver's release: it
+    must get the other handle, alive, and the drain must leak nothing."""
+    g = stats.granularity(0, False)
+    gate = GateDriver(stats, "release")
+    pool = PoolingDriver(gate, cap_bytes=2 * g)
+    assert pool.fill(g, 2) == 2
+    with ThreadPoolExecutor(1) as executor:
+        draining = executor.submit(pool.drain)
+        try:
+            assert gate.entered.wait(30), "the drain never reached the driver"
+            taken = pool.create(g, 0, False)
+        finally:
+            gate.opened.set()
+        assert draining.result(timeout=30) == g
+    assert (pool.idle_handles, stats.live.handles) == (0, 1)
+    with pool.context(0):
+        ptr = pool.reserve(g, g)
+        pool.map(ptr, g, taken)  # fails if the drain released the handle taken
+        pool.unmap(ptr, g)
+        pool.free_reserved(ptr, g)
+        pool.release(taken)
+    assert pool.drain() == g
+    assert stats.live.handles == 0
+
+
+def test_concurrent_fills_stay_within_the_cap(stats: StatisticsDriver) -> None:
+    """A second fill runs while the first one's create is in flight."""
+    g = stats.granularity(0, False)
+    gate = GateDriver(stats, "create")
+    pool = PoolingDriver(gate, cap_bytes=g)
+    with ThreadPoolExecutor(1) as executor:
+        first = executor.submit(pool.fill, g, 1)
+        try:
+            assert gate.entered.wait(30), "the first fill never reached the driver"
+            second = pool.fill(g, 1)
+        finally:
+            gate.opened.set()
+        added = first.result(timeout=30) + second
+    assert added == 1
+    assert (pool.idle_bytes, stats.live.handles) == (g, 1)
+    pool.drain()
+
+
+def test_a_second_release_of_an_idle_handle_is_refused(stats: StatisticsDriver) -> None:
+    """As the driver refuses a handle released already; mapping it is
+    refused too, since the next create may hand it out."""
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=4 * g)
+    with pool.context(0):
+        handle = pool.create(g, 0, False)
+        pool.release(handle)
+        with pytest.raises(DriverError, match="already released: it is idle in the pool") as exc:
+            pool.release(handle)
+        assert exc.value.call == "release"
+        ptr = pool.reserve(g, g)
+        with pytest.raises(DriverError, match="already released"):
+            pool.map(ptr, g, handle)
+        pool.free_reserved(ptr, g)
+        first, second = pool.create(g, 0, False), pool.create(g, 0, False)
+        assert first != second, "two creates got one handle"
+        pool.release(first)
+        pool.release(second)
+    assert pool.drain() == 2 * g, "a later sleep fails"
+    assert stats.live.handles == 0
+
+
+def test_a_sleep_drains_shareable_and_plain_handles_alike(
+    stats: StatisticsDriver, device: str
+) -> None:
+    """Trimmed plain memory waits in the pool, trimmed shareable memory goes
+    to the driver, handles filled ahead wait for both kinds; a sleep then
+    leaves nothing idle and nothing alive."""
+    plain_g, shared_g = stats.granularity(0, False), stats.granularity(0, True)
+    pool = PoolingDriver(stats, cap_bytes=16 * shared_g)
+    plain = ExtensibleTensor(4 * plain_g, device, driver=pool, chunk_bytes=plain_g)
+    shared = ExtensibleTensor(
+        4 * shared_g, device, shareable=True, driver=pool, chunk_bytes=shared_g
+    )
+    cache = KVCacheBuffers([(plain, plain_g), (shared, shared_g)], 4)
+    cache.commit(4)
+    cache.trim(1)
+    assert pool.idle_bytes == 3 * plain_g, "only the plain handles wait in the pool"
+    assert pool.fill(shared_g, 2, shareable=True) == 2
+    assert pool.idle_handles == 5
+    cache.release_physical()
+    assert pool.idle_handles == 0
+    assert stats.live.handles == 0
+    cache.free()
+
+
+@pytest.mark.parametrize("chunk_granules", [None, 3])
+def test_reserve_ahead_creates_the_chunks_a_tensor_growth_maps(
+    stats: StatisticsDriver, device: str, chunk_granules: int | None
+) -> None:
+    """Two segments grow from 1 to 7 granules each: one 6-granule chunk per
+    segment, or two 3-granule chunks, all taken from the pool."""
+    g = stats.granularity(0, False)
+    chunk = None if chunk_granules is None else chunk_granules * g
+    pool = PoolingDriver(stats, cap_bytes=64 * g)
+    tensor = ExtensibleTensor(16 * g, device, num_segments=2, driver=pool, chunk_bytes=chunk)
+    tensor.resize_per_segment_(g)
+    assert tensor.reserve_ahead(7 * g).result(timeout=60) == 2 * 6 * g
+    creates = stats.calls["create"].calls
+    tensor.resize_per_segment_(7 * g)
+    assert stats.calls["create"].calls == creates, "the growth missed the pool"
+    assert pool.hits == (2 if chunk is None else 4)
+    assert (pool.idle_bytes, tensor.physical_bytes) == (0, 2 * 7 * g)
+    tensor.free()
+    pool.drain()
+
+
+@pytest.mark.parametrize("chunk_granules", [None, 2])
+def test_reserve_ahead_creates_the_chunks_a_cache_wake_maps(
+    stats: StatisticsDriver, device: str, chunk_granules: int | None
+) -> None:
+    """Two buffers of 6 one-granule blocks wake from a discarding sleep:
+    one 6-granule chunk per buffer, or three 2-granule chunks."""
+    g = stats.granularity(0, False)
+    chunk = None if chunk_granules is None else chunk_granules * g
+    pool = PoolingDriver(stats, cap_bytes=64 * g)
+    tensors = [ExtensibleTensor(8 * g, device, driver=pool, chunk_bytes=chunk) for _ in range(2)]
+    cache = KVCacheBuffers([(t, g) for t in tensors], 8)
+    cache.commit(6)
+    cache.release_physical()
+    assert cache.reserve_ahead(6).result(timeout=60) == 2 * 6 * g
+    creates = stats.calls["create"].calls
+    cache.recommit()
+    assert stats.calls["create"].calls == creates, "the wake missed the pool"
+    assert pool.hits == (2 if chunk is None else 6)
+    assert (pool.idle_bytes, cache.physical_bytes) == (0, 2 * 6 * g)
+    cache.free()
+    pool.drain()
+
+
+def test_a_cache_growth_into_pooled_memory_reads_zero(stats: StatisticsDriver, device: str) -> None:
+    """The trimmed blocks held nonzero bytes; grown back from the pool, the
+    new blocks read zero and the kept block keeps its bytes."""
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=16 * g)
+    tensor = ExtensibleTensor(8 * g, device, num_segments=2, driver=pool, chunk_bytes=g)
+    cache = KVCacheBuffers([(tensor, g)], 4)
+    cache.commit(4)
+    tensor.full_view().fill_(0x5A)
+    cache.trim(1)
+    cache.commit(4)
+    assert pool.hits == 2 * 3, "the growth took the trimmed handles"
+    for index in range(2):
+        segment = tensor.segment(index)
+        assert bool(segment[:g].eq(0x5A).all())
+        assert int(segment[g:].count_nonzero()) == 0, "reused memory shows its old bytes"
+    del segment
+    cache.free()
+    pool.drain()
+
+
+@pytest.mark.parametrize("cap", [1.5, float("nan"), True, -1, "1GiB", 1 << 64])
+def test_a_bad_cap_is_refused(cap: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="cap_bytes"):
+        PoolingDriver(get_driver("cpu"), cap_bytes=cap)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((True, 1), "size must be an int"),
+        ((2 << 20, 1.0), "count must be an int"),
+        ((2 << 20, 1, 0, "yes"), "shareable must be a bool"),
+        ((0, 1), "positive size"),
+        ((2 << 20, -1), "count"),
+    ],
+)
+def test_bad_fills_are_refused_and_fill_nothing(args: tuple[Any, ...], message: str) -> None:
+    pool = PoolingDriver(get_driver("cpu"))
+    with pytest.raises((TypeError, ValueError), match=message):
+        pool.fill(*args)
+    assert pool.idle_handles == 0
+
+
+def test_a_sleep_gives_back_what_a_fill_in_flight_creates(
+    stats: StatisticsDriver, device: str
+) -> None:
+    """A reserve_ahead still creating when the cache sleeps: the sleep
+    stops it and waits for its create in flight, so no memory is left in
+    the pool (or anywhere) once the sleep has returned."""
+    g = stats.granularity(0, False)
+    gate = GateDriver(stats, "create")
+    pool = PoolingDriver(gate, cap_bytes=16 * g)
+    tensor = ExtensibleTensor(16 * g, device, driver=pool, chunk_bytes=g)
+    reserving = tensor.reserve_ahead(8 * g)  # its first create waits at the gate
+    assert gate.entered.wait(10), "the fill never reached the driver"
+    sleeping = threading.Thread(target=tensor.release_physical)
+    sleeping.start()
+    sleeping.join(0.5)  # on its own, the sleep does not get past the fill in flight
+    gate.opened.set()
+    sleeping.join(30)
+    reserving.result(30)
+    assert pool.idle_handles == 0
+    assert stats.live.handles == 0
+    tensor.free()

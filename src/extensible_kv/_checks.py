@@ -10,6 +10,14 @@ def check_int(name: str, value: object) -> int:
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool, else a TypeError naming ``name``: a string
+    like ``"no"`` or an int is not taken for one."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 #: The largest byte count any reservation, view or chunk may have: 256 TiB,
 #: beyond the address space of every GPU and of x86-64 and arm64 Linux
 #: processes. Checked before a size reaches a driver, where it would wrap

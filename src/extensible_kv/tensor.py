@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv._checks import check_bytes, check_int
+from extensible_kv._checks import check_bool, check_bytes, check_int
 from extensible_kv.buffer import (
     Remap,
     Staging,
@@ -128,10 +128,23 @@ def _importing_device(
 
 def stream_handles(streams: Iterable[Any] | None) -> tuple[int, ...] | None:
     """Driver handles of ``streams`` (``torch.cuda.Stream`` objects or ints);
-    None stays None (the whole device)."""
+    None stays None (the whole device). A handle is a pointer: an int from 0
+    (the legacy default stream) to ``2**64 - 1``; anything else is refused
+    here rather than at the next wait, in the driver's bindings."""
     if streams is None:
         return None
-    return tuple(int(getattr(stream, "cuda_stream", stream)) for stream in streams)
+    handles = []
+    for stream in streams:
+        handle = getattr(stream, "cuda_stream", stream)
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise TypeError(
+                f"a stream is a torch.cuda.Stream or an int handle, got "
+                f"{type(handle).__name__} {handle!r}"
+            )
+        if not 0 <= handle < 1 << 64:
+            raise ValueError(f"a stream handle is 0 to 2**64 - 1 (a pointer), got {handle}")
+        handles.append(handle)
+    return tuple(handles)
 
 
 class ExtensibleTensor:
@@ -174,6 +187,8 @@ class ExtensibleTensor:
     ) -> None:
         check_bytes("max_num_bytes", max_num_bytes)
         check_int("num_segments", num_segments)
+        check_bool("shareable", shareable)
+        check_bool("zero_backed", zero_backed)
         if num_segments < 1:
             raise ValueError(f"num_segments must be positive, got {num_segments}")
         if max_num_bytes % num_segments:
@@ -260,8 +275,9 @@ class ExtensibleTensor:
         check_int("offset", offset)
         check_int("nbytes", nbytes)
         cap, committed = self._segment_capacity_bytes, self._bytes_per_segment
-        segment = offset // cap if offset >= 0 else -1
-        if nbytes < 0 or segment < 0 or offset + nbytes > segment * cap + committed:
+        segment = offset // cap if offset >= 0 and cap else -1
+        outside = not 0 <= segment < self._num_segments
+        if nbytes < 0 or outside or offset + nbytes > segment * cap + committed:
             ranges = ", ".join(
                 f"[{i * cap}, {i * cap + committed})" for i in range(self._num_segments)
             )
@@ -785,21 +801,33 @@ def in_one_chunk_per_segment(tensor: ExtensibleTensor) -> bool:
     return all((start, end) in chunks for start, end in runs) and len(chunks) == len(runs)
 
 
+def _late_failure(
+    tensors: Sequence[ExtensibleTensor],
+    old: Sequence[list[tuple[int, int]]],
+    new: Sequence[list[tuple[int, int]]],
+) -> bool:
+    """Whether a failed remap failed late (a handle not released, the new
+    chunks in place) rather than early (the old layout restored or never
+    left). Told apart by what is mapped; where the old and new granules are
+    the same, the two look alike and the remap counts as not done, which
+    keeps the old count: safe, since its blocks are backed either way."""
+    mapped = [[(o, o + n) for o, n in tensor._buffer.mapped_runs] for tensor in tensors]
+    wanted = [t._buffer.granules_covering(r) for t, r in zip(tensors, new, strict=True)]
+    before = [t._buffer.granules_covering(r) for t, r in zip(tensors, old, strict=True)]
+    return mapped == wanted and wanted != before
+
+
 def _remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
     tensors = [tensor for tensor, _ in items]
     old = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
     new = [tensor._segment_ranges(0, size) for tensor, size in items]
     layouts = [tensor._buffer.chunks for tensor in tensors]
+    finished = False
     try:
         defragment_together([(t._buffer, r) for t, r in zip(tensors, new, strict=True)])
+        finished = True
     finally:
-        # A late failure (a handle not released) comes after the new chunks
-        # are in place; an early one restores the old layout. Tell them apart
-        # by what is mapped.
-        done = all(
-            t._buffer.granules_covering(r) == [(o, o + n) for o, n in t._buffer.mapped_runs]
-            for t, r in zip(tensors, new, strict=True)
-        )
+        done = finished or _late_failure(tensors, old, new)
         for (tensor, size), ranges, before, layout in zip(items, new, old, layouts, strict=True):
             if done:
                 tensor._bytes_per_segment = size

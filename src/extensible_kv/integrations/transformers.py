@@ -28,13 +28,13 @@ Between two turns of a chat the cache can sleep
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from extensible_kv._checks import check_int, round_up
-from extensible_kv.driver import Driver
+from extensible_kv.driver import Driver, drain_pools
 from extensible_kv.kv.buffers import KVCacheBuffers
 from extensible_kv.tensor import ExtensibleTensor
 
@@ -43,7 +43,12 @@ __all__ = ["ExtensibleCache", "ExtensibleLayer", "ExtensibleStaticLayer"]
 
 class _Lockstep:
     """The buffers of every layer, committed together by tokens: each
-    layer's keys and values are two buffers of one token row each."""
+    layer's keys and values are two buffers of one token row each.
+
+    Every call that touches the memory goes through :meth:`wake` first (via
+    :meth:`ensure` for updates): a freed cache is refused and a sleeping
+    one restored, since its views point at addresses with no memory.
+    """
 
     def __init__(self, max_cache_len: int) -> None:
         self.buffers = KVCacheBuffers([], max_cache_len)
@@ -53,6 +58,7 @@ class _Lockstep:
         #: Positions committed ahead by ExtensibleCache.prepare.
         self.prepared = 0
         self.length: torch.Tensor | None = None
+        self.freed = False
 
     def length_on(self, device: torch.device) -> torch.Tensor:
         """The positions held, as a tensor on ``device`` (made once)."""
@@ -81,12 +87,14 @@ class _Lockstep:
             self.length.fill_(num_tokens)
 
     def ensure(self, num_tokens: int) -> None:
-        """Back the first ``num_tokens`` positions of every layer.
+        """Back the first ``num_tokens`` positions of every layer (waking
+        the cache first).
 
         Commits up to the end of the granules those positions need: the
         memory is mapped anyway, and the steps that follow then find their
         positions committed without a call.
         """
+        self.wake()
         if num_tokens <= self.buffers.num_blocks_committed or not self.buffers.buffers:
             return
         fits = min(
@@ -94,6 +102,76 @@ class _Lockstep:
             for buffer, row in self.buffers.buffers
         )
         self.buffers.commit(min(self.buffers.num_blocks_capacity, max(num_tokens, fits)))
+        self.zero_tails(self.buffers.buffers)
+
+    def check_alive(self) -> None:
+        """Refuse a freed cache: its views point at addresses with no memory."""
+        if self.freed:
+            raise ValueError(
+                "the ExtensibleCache has been freed: its memory is gone and touching it would "
+                "fault; make a new cache"
+            )
+
+    def wake(self) -> None:
+        """Make the memory touchable: refuse a freed cache, restore a
+        sleeping one (touching released memory is SIGSEGV on the host and an
+        illegal address on a GPU)."""
+        self.check_alive()
+        if self.buffers.released:
+            self.buffers.recommit()
+            self.zero_tails(self.buffers.buffers)
+
+    def zero_tails(self, buffers: list[tuple[ExtensibleTensor, int]]) -> None:
+        """Zero the memory mapped past the committed positions of each
+        zero-backed buffer in ``buffers`` whose driver does not zero new
+        memory (a GPU, a handle pool).
+
+        A commit maps whole granules but zeroes whole positions, so the
+        position straddling the last granule's end is mapped in part and
+        holds what that memory held (garbage, or a pool's old bytes, NaN
+        included); with static shapes attention reads it, and a mask cannot
+        cancel a NaN. Called after every commit; nothing writes there after.
+        """
+        committed = self.buffers.num_blocks_committed
+        for tensor, row in buffers:
+            buffer = tensor.buffer
+            if not buffer.zero_backed or buffer.driver.zeroes_new_memory:
+                continue
+            start = committed * row
+            full = tensor.full_view()
+            for offset, size in buffer.mapped_in(start, tensor.max_num_bytes - start):
+                full[offset : offset + size].zero_()
+
+    def forget(self, num_tokens: int) -> None:
+        """Zero positions ``num_tokens`` to :attr:`tokens` of every layer and
+        hold ``num_tokens`` (a crop with static shapes, whose attention
+        reads every position)."""
+        if num_tokens < self.tokens:
+            self.wake()
+            for tensor, row in self.buffers.buffers:
+                tensor.full_view()[num_tokens * row : self.tokens * row].zero_()
+        self.set_tokens(num_tokens)
+
+    def release(self) -> None:
+        """Give every position's memory back; during a preserving sleep,
+        drop the host copy too, so that nothing old comes back."""
+        self.check_alive()
+        if self.buffers.released:
+            # A discarding release while asleep drops the host copy without
+            # restoring it; then a commit of nothing wakes the buffers with
+            # no memory, and the trim below cancels the count a later
+            # recommit() would grow them back to.
+            self.buffers.release_physical()
+            self.buffers.commit(0)
+        self.buffers.trim(0)
+
+    def drain_pools(self) -> None:
+        """Release the idle handles of every handle pool under the buffers."""
+        drivers = {
+            id(tensor.buffer.driver): tensor.buffer.driver for tensor, _ in self.buffers.buffers
+        }
+        for driver in drivers.values():
+            drain_pools(driver)
 
 
 _LOCKSTEPS: weakref.WeakValueDictionary[int, _Lockstep] = weakref.WeakValueDictionary()
@@ -154,7 +232,8 @@ class ExtensibleLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Reserve both tensors for ``max_cache_len`` tokens of this batch;
-        nothing is committed until tokens arrive."""
+        nothing is committed until tokens arrive (a sleeping cache wakes)."""
+        self._lockstep.wake()
         made: list[tuple[ExtensibleTensor, int]] = []
         try:
             for states in (key_states, value_states):
@@ -166,6 +245,7 @@ class ExtensibleLayer(CacheLayerMixin):
             for buffer, _ in made:
                 buffer.free()
             raise
+        self._lockstep.zero_tails(made)
         self.device = key_states.device
         self._batch = self.batch_size = key_states.shape[0]
         keys, values = (
@@ -224,19 +304,53 @@ class ExtensibleLayer(CacheLayerMixin):
                 f"the cache holds max_cache_len={self.max_cache_len} tokens; {end} do not fit "
                 f"(make the cache with a larger max_cache_len)"
             )
-        self._check_batch(key_states)
+        self.check_states(key_states, value_states)
         self._lockstep.ensure(end)
         full_keys[: self._batch, :, start:end].copy_(key_states)
         full_values[: self._batch, :, start:end].copy_(value_states)
         self.cumulative_length = end
         return self._narrow()
 
-    def _check_batch(self, key_states: torch.Tensor) -> None:
-        if key_states.shape[0] != self._batch:
+    def check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse states this layer's reservation cannot take, before
+        anything changes: the batch, heads and head size it was made for."""
+        for name, states, full in self._pairs(key_states, value_states):
+            if states.shape[0] != self._batch:
+                raise ValueError(
+                    f"the cache holds a batch of {self._batch}, not {states.shape[0]}; "
+                    f"use one cache per batch"
+                )
+            if states.dim() != 4 or (states.shape[1], states.shape[3]) != (
+                full.shape[1],
+                full.shape[3],
+            ):
+                raise ValueError(
+                    f"the cache holds {name} of {full.shape[1]} heads of {full.shape[3]} per "
+                    f"position ([batch, heads, positions, head size]), not {tuple(states.shape)}"
+                )
+
+    def _pairs(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, new states, full tensor)`` for the keys and the values."""
+        return list(zip(("keys", "values"), (key_states, value_states), self._both(), strict=True))
+
+    def _beams(self, beam_idx: torch.Tensor) -> torch.Tensor:
+        """``beam_idx`` on the layer's device, refused unless it names one
+        row of the batch for every row (a shorter index would broadcast its
+        rows over the batch; one out of range faults on a GPU)."""
+        index = torch.as_tensor(beam_idx, device=self.device)
+        batch = self._batch
+        if (
+            index.dim() != 1
+            or index.numel() != batch
+            or bool(((index < 0) | (index >= batch)).any())
+        ):
             raise ValueError(
-                f"the cache holds a batch of {self._batch}, not {key_states.shape[0]}; "
-                f"use one cache per batch"
+                f"reorder_cache needs one beam index in 0 to {batch - 1} per row of the batch "
+                f"of {batch}, got {index.tolist()}"
             )
+        return index
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -268,10 +382,12 @@ class ExtensibleLayer(CacheLayerMixin):
         self._narrow()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row ``i`` takes row ``beam_idx[i]``, in place."""
+        """Beam search: row ``i`` takes row ``beam_idx[i]``, in place
+        (``beam_idx``: one row of the batch per row)."""
         if self.cumulative_length == 0:
             return
-        index = beam_idx.to(self.device)
+        index = self._beams(beam_idx)
+        self._lockstep.wake()
         for states in self._narrow():
             states.copy_(states.index_select(0, index))
 
@@ -280,6 +396,7 @@ class ExtensibleLayer(CacheLayerMixin):
         (the memory of the rows dropped stays until the cache is reset)."""
         if not self.is_initialized:
             return
+        self._lockstep.wake()
         index = torch.as_tensor(indices, device=self.device).flatten()
         if index.dtype == torch.bool:
             index = index.nonzero().flatten()
@@ -346,7 +463,7 @@ class ExtensibleStaticLayer(ExtensibleLayer):
         memory the cache committed before this step); return all positions."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._check_batch(key_states)
+        self.check_states(key_states, value_states)
         keys, values = self._both()
         length = key_states.shape[-2]
         # The cache has advanced the count by this step's tokens already.
@@ -374,13 +491,25 @@ class ExtensibleStaticLayer(ExtensibleLayer):
                 "instead."
             )
 
+    def check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """As the dynamic layer's, and the dtype and device too:
+        ``index_copy_`` converts neither."""
+        super().check_states(key_states, value_states)
+        for name, states, full in self._pairs(key_states, value_states):
+            if (states.dtype, states.device) != (full.dtype, full.device):
+                raise ValueError(
+                    f"the cache holds {name} of {full.dtype} on {full.device}, not "
+                    f"{states.dtype} on {states.device}"
+                )
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` takes row ``beam_idx[i]``, in place, over
         the committed positions (the zeros past them are not writable)."""
         held = self._lockstep.tokens
         if held == 0:
             return
-        index = beam_idx.to(self.device)
+        index = self._beams(beam_idx)
+        self._lockstep.wake()
         for states in self._both():
             cached = states[:, :, :held]
             cached.copy_(cached.index_select(0, index))
@@ -465,10 +594,20 @@ class ExtensibleCache(Cache):
         """Store a layer's new states; with static shapes the first layer's
         call commits memory for the step's tokens first, for every layer."""
         if layer_idx == 0 and self.static_shapes:
-            length = self._lockstep.length_on(key_states.device)
-            length.copy_(torch.ops.extensible_kv.advance(length, key_states.shape[-2]))
+            self._advance(key_states, value_states)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return keys, values
+
+    def _advance(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Count the step's positions and commit them for every layer, once
+        the first layer has taken its reservation and checked the states:
+        a refused step moves nothing."""
+        first = cast(ExtensibleLayer, self.layers[0])  # static shapes: made by __init__
+        if not first.is_initialized:
+            first.lazy_initialization(key_states, value_states)
+        first.check_states(key_states, value_states)
+        length = self._lockstep.length_on(key_states.device)
+        length.copy_(torch.ops.extensible_kv.advance(length, key_states.shape[-2]))
 
     def prepare(self, num_tokens: int) -> None:
         """Commit memory for the first ``num_tokens`` positions of every
@@ -490,9 +629,11 @@ class ExtensibleCache(Cache):
         self._lockstep.ensure(num_tokens)
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (a negative int); with
+        static shapes their positions read zero again."""
         super().crop(tokens_to_remove)
         if self.static_shapes:
-            self._lockstep.set_tokens(max(0, self._lockstep.tokens + tokens_to_remove))
+            self._lockstep.forget(max(0, self._lockstep.tokens + tokens_to_remove))
 
     @property
     def max_cache_len(self) -> int:
@@ -510,15 +651,18 @@ class ExtensibleCache(Cache):
         return self.buffers.physical_bytes
 
     def reset(self) -> None:
-        """Forget every token and give their memory back; addresses stay."""
+        """Forget every token and give their memory back; addresses stay.
+        During a preserving sleep the host copy goes too: nothing old comes
+        back at the wake."""
+        self._lockstep.check_alive()
         super().reset()
         self._lockstep.set_tokens(0)
         self._lockstep.prepared = 0
-        if not self.buffers.released:
-            self.buffers.trim(0)
+        self._lockstep.release()
 
     def release_physical(self, preserve: bool = False) -> None:
-        """Sleep between turns: give the memory back, keeping addresses.
+        """Sleep between turns: give every byte back, keeping addresses
+        (handle pools under the cache are drained too).
 
         With ``preserve`` the tokens are copied to host memory first and
         :meth:`recommit` restores them (an update before it wakes the cache
@@ -529,11 +673,14 @@ class ExtensibleCache(Cache):
             self.buffers.release_physical(preserve=True)
         else:
             self.reset()
+            self._lockstep.drain_pools()
 
     def recommit(self) -> None:
         """Wake after a preserving :meth:`release_physical`; else nothing."""
-        self.buffers.recommit()
+        self._lockstep.wake()
 
     def free(self) -> None:
-        """Return the memory now and the address ranges once no view is left."""
+        """Return the memory now and the address ranges once no view is
+        left; every later call that would touch the memory raises."""
+        self._lockstep.freed = True
         self.buffers.free()

@@ -95,22 +95,38 @@ def narrow_to_num_blocks(
     that ends at their last committed byte: a connector that registers a
     view's storage (``untyped_storage().nbytes()``) registers no address
     past the committed blocks. A block-major view's storage is exactly its
-    committed blocks; a view of several segments (K/V split) spans the
+    committed blocks; packed layers (several in each block row) share one
+    storage of exactly the committed rows; a view of several segments (K/V split) spans the
     uncommitted tail of every segment but the last, so register those per
     segment (``view[0]``, ``view[1]``). Register after a defragmenting
     commit: UCX cannot transfer a region spanning several physical
     allocations. ``views`` gives the layers; the placements hold their layouts.
     """
     narrowed: dict[str, LayerView] = {}
+    # Packed layers (several per block row) share one storage of exactly the
+    # committed rows, so a connector registering any of them sees them all.
+    shared: dict[int, torch.Tensor] = {}
     for name in views:
         placement = placements[name]
         kernel_blocks = num_blocks * placement.blocks_per_kv_block
         layouts = [layout.with_blocks(kernel_blocks) for layout in placement.layouts]
-        end = max(layout.end_bytes for layout in layouts)
-        storage = as_tensor(placement.buffer.buffer, 0, end)
+        if placement.packed:
+            key = id(placement.buffer)
+            if key not in shared:
+                end = num_blocks * _row_bytes(layouts[0])
+                shared[key] = as_tensor(placement.buffer.buffer, 0, end)
+            storage = shared[key]
+        else:
+            end = max(layout.end_bytes for layout in layouts)
+            storage = as_tensor(placement.buffer.buffer, 0, end)
         trimmed = [layout.view(storage) for layout in layouts]
         narrowed[name] = trimmed if placement.mamba else trimmed[0]
     return narrowed
+
+
+def _row_bytes(layout: BlockLayout) -> int:
+    """Bytes from one block to the next in a layout."""
+    return layout.strides[layout.block_dim] * layout.dtype.itemsize
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from extensible_kv._checks import check_int
+from extensible_kv._checks import check_bool, check_int
 from extensible_kv.buffer import synchronize_buffers
 from extensible_kv.driver.pool import fill_pools_in_background
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
@@ -45,6 +45,20 @@ def _serialized(method: Callable[_P, _R]) -> Callable[_P, _R]:
             return method(*args, **kwargs)
 
     return wrapper
+
+
+def _pairs(items: Sequence[Any]) -> list[tuple[ExtensibleTensor, int]]:
+    """``items`` as ``(buffer, bytes_per_block_per_segment)`` pairs, or a
+    TypeError saying that is what a KV cache takes."""
+    pairs = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(
+                f"a KV cache takes (ExtensibleTensor, bytes_per_block_per_segment) pairs, "
+                f"got {type(item).__name__}"
+            )
+        pairs.append((item[0], item[1]))
+    return pairs
 
 
 class ConnectorRegistrationWarning(UserWarning):
@@ -110,7 +124,7 @@ class KVCacheBuffers:
         self._wait_streams: tuple[int, ...] | None = None
         self._closing = False
         self._freed = False
-        for buffer, bytes_per_block in buffers:
+        for buffer, bytes_per_block in _pairs(buffers):
             self._check_buffer(buffer, bytes_per_block)
             self.buffers.append((buffer, bytes_per_block))
 
@@ -122,6 +136,10 @@ class KVCacheBuffers:
         )
 
     def _check_buffer(self, buffer: ExtensibleTensor, bytes_per_block: int) -> None:
+        if not isinstance(buffer, ExtensibleTensor):
+            raise TypeError(
+                f"a KV cache buffer is an ExtensibleTensor, got {type(buffer).__name__}"
+            )
         if any(buffer is mine for mine, _ in self.buffers):
             raise ValueError(f"{buffer!r} is already in this KV cache; each buffer joins once")
         check_int("bytes_per_block_per_segment", bytes_per_block)
@@ -259,6 +277,7 @@ class KVCacheBuffers:
     def _add(self, items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
         self._check_awake("add()")
         self._check_unregistered("add()")
+        items = _pairs(items)
         for index, (buffer, per_block) in enumerate(items):
             if any(buffer is other for other, _ in items[:index]):
                 raise ValueError(f"{buffer!r} is given twice; each buffer joins once")
@@ -301,8 +320,9 @@ class KVCacheBuffers:
         chunk: all memory is released first, so a warm-up prefix past
         ``num_blocks`` is given back, and every block reads zero after. If
         the cache already holds exactly that (the same count, one chunk per
-        segment), nothing changes and the contents are kept: a runner that
-        runs its final commit again does not lose live data.
+        segment), nothing is remapped, but the blocks are still zeroed: a
+        defragmented cache reads as zeros, as engines expect after warm-up.
+        If it fails, the block count and the memory are as before.
 
         While released (asleep), a commit wakes the cache: after a discarding
         release only the first ``num_blocks`` blocks are committed (zeroed),
@@ -325,6 +345,7 @@ class KVCacheBuffers:
     def _commit(self, num_blocks: int, defragment: bool = False) -> None:
         self._check_alive("commit()")
         self._check_count("commit", num_blocks)
+        check_bool("defragment", defragment)
         if defragment:
             if not self._holds_exactly(num_blocks):
                 self._check_unregistered("a defragmenting commit")
@@ -363,9 +384,12 @@ class KVCacheBuffers:
         self._wake_to = None if defragment else max(self._wake_to or 0, asleep_at)
 
     def _remap(self, num_blocks: int) -> None:
-        """Hold exactly ``num_blocks`` blocks, one chunk per segment, zeroed
-        (unless already so); all or nothing."""
+        """Hold exactly ``num_blocks`` blocks, one chunk per segment, zeroed;
+        all or nothing."""
         if self._holds_exactly(num_blocks):
+            # Already laid out so: no remap, but a defragment still discards.
+            for region in self._regions(num_blocks):
+                region.zero_()
             return
         sizes = [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
         try:
@@ -535,7 +559,8 @@ class KVCacheBuffers:
         committed blocks are first copied to host memory (on a GPU through a
         pinned ring of ``2 * staging_bytes``) and :meth:`recommit` restores
         them, so a prefix cache survives the sleep; otherwise contents are
-        discarded. Idempotent.
+        discarded (a host copy a preserving sleep made is dropped too).
+        Idempotent.
 
         With KV connector registrations (:meth:`register_external`), a
         discarding release is refused, as vLLM refuses to sleep with a
@@ -546,6 +571,11 @@ class KVCacheBuffers:
         self._check_alive("release_physical()")
         if not preserve:
             self._check_unregistered("a discarding release_physical()")
+            if self._backup is not None:
+                # Asleep with a host copy: a discarding sleep forgets it, so
+                # that the wake does not restore what was to be discarded.
+                self._backup.free()
+                self._backup = None
         if self._asleep_at is None and preserve:
             # Writers on any stream (an engine's side streams, the zeroing
             # of commit_async) must be done before the copy reads the blocks.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from extensible_kv._checks import check_int
+from extensible_kv._checks import check_bool, check_int
 from extensible_kv.driver import Driver
 from extensible_kv.kv.buffers import KVCacheBuffers
 from extensible_kv.tensor import ExtensibleTensor
@@ -37,6 +37,7 @@ class ExtensibleKVCacheBuilder:
         driver: Driver | None = None,
     ) -> None:
         check_int("num_blocks_capacity", num_blocks_capacity)
+        check_bool("shareable", shareable)
         if num_blocks_capacity < 1:
             raise ValueError(f"num_blocks_capacity must be positive, got {num_blocks_capacity}")
         self.num_blocks_capacity = num_blocks_capacity
