@@ -85,9 +85,10 @@ class _HandOver(TorchFunctionMode):
         self.used = False
 
     def _is_backing(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        size = args[0] if len(args) == 1 else kwargs.get("size", args)
-        if isinstance(size, (tuple, list, torch.Size)):
-            size = size[0] if len(size) == 1 else None
+        """Whether a ``torch.zeros`` call asks for our buffer's bytes as int8."""
+        size = args if len(args) != 1 else args[0]
+        if isinstance(size, (tuple, list, torch.Size)) and len(size) == 1:
+            size = size[0]
         return not self.used and kwargs.get("dtype") is torch.int8 and size == self.backing.numel()
 
     def __torch_function__(
@@ -300,12 +301,8 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         (every figure then 0).
         """
         if self._kv is None:
-            return {
-                **dict.fromkeys(STATE_KEYS[:5], 0),
-                "base_ptrs": [],
-                "asleep": False,
-                "enabled": False,
-            }
+            fallback: dict[str, Any] = {key: 0 for key in STATE_KEYS}
+            return {**fallback, "base_ptrs": [], "asleep": False, "enabled": False}
         buffers = self._kv.buffers
         return {
             "reserved_bytes": buffers.reserved_bytes,

@@ -96,9 +96,9 @@ def narrow_to_num_blocks(
     view's storage (``untyped_storage().nbytes()``) registers no address
     past the committed blocks. A block-major view's storage is exactly its
     committed blocks; packed layers (several in each block row) share one
-    storage of exactly the committed rows; a view of several segments (K/V split) spans the
-    uncommitted tail of every segment but the last, so register those per
-    segment (``view[0]``, ``view[1]``). Register after a defragmenting
+    storage of exactly the committed rows; a view of several segments (K/V
+    split) spans the uncommitted tail of every segment but the last, so
+    register those per segment (``view[0]``, ``view[1]``). Register after a defragmenting
     commit: UCX cannot transfer a region spanning several physical
     allocations. ``views`` gives the layers; the placements hold their layouts.
     """
