@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import SIMULATORS
-from extensible_kv import ExtensibleTensor, StatisticsDriver
+from extensible_kv import ExtensibleTensor, PoolingDriver, StatisticsDriver
 from extensible_kv.buffer import VirtualBuffer
 from extensible_kv.dlpack import as_tensor
 from extensible_kv.driver import Driver, DriverError
@@ -42,16 +42,63 @@ def test_uncommitted_bytes_read_as_zeros_through_every_change(
 
     tensor.shrink_per_segment_(1)
     assert tensor.physical_bytes == g
-    assert bool((full[:g] == 7).all())
-    assert int(full[g:].count_nonzero()) == 0
+    assert int(full[0]) == 7
+    assert int(full[1:].count_nonzero()) == 0  # the kept granule too, past the byte
 
     tensor.resize_per_segment_(3 * g)
     tensor.defragment_(preserve=True)
-    assert bool((full[:g] == 7).all())
+    assert int(full[0]) == 7
+    assert int(full[3 * g :].count_nonzero()) == 0
     tensor.release_physical()
     assert int(full.count_nonzero()) == 0
     del full
     tensor.free()
+
+
+def _past_prefixes(tensor: ExtensibleTensor) -> list[int]:
+    """Non-zero bytes past each segment's prefix, per segment."""
+    full, cap = tensor.full_view(), tensor.segment_capacity_bytes
+    start = tensor.bytes_per_segment
+    return [int(full[i * cap + start : (i + 1) * cap].count_nonzero()) for i in range(2)]
+
+
+def test_bytes_past_the_prefix_read_zero_in_the_granule_it_ends_in(
+    stats: StatisticsDriver, device: str
+) -> None:
+    """The granule a prefix ends in is mapped past it: a zero-backed tensor
+    zeroes what lies there, whatever memory it got (a pool's old bytes, a
+    simulated GPU's garbage) and whatever changed the prefix."""
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=16 * g)
+    tensor = ExtensibleTensor(8 * g, device, 2, driver=pool, zero_backed=True)
+    full = tensor.full_view()
+    tensor.resize_per_segment_(2 * g)
+    full.view(2, 4 * g)[:, : 2 * g].fill_(7)
+    tensor.shrink_per_segment_(0)
+    assert pool.idle_handles == 2  # holding the 7s
+
+    tensor.resize_per_segment_(g + 5)  # the 7s come back from the pool
+    assert pool.hits == 2
+    assert _past_prefixes(tensor) == [0, 0]
+
+    full.view(2, 4 * g)[:, : g + 5].fill_(9)
+    tensor.shrink_per_segment_(3)  # the kept granule held 9s past 3
+    assert tensor.physical_bytes == 2 * g
+    assert _past_prefixes(tensor) == [0, 0]
+
+    full.view(2, 4 * g)[:, :3].fill_(9)
+    tensor.resize_per_segment_(3 * g + 1, zero_new=True)
+    tensor.defragment_(preserve=True)
+    assert _past_prefixes(tensor) == [0, 0]
+    full.view(2, 4 * g)[:, : 3 * g + 1].fill_(5)
+    tensor.shrink_per_segment_(g // 2)
+    full.view(2, 4 * g)[:, : g // 2].fill_(5)
+    tensor.defragment_()  # discarding: new chunks, from the pool's old bytes
+    assert _past_prefixes(tensor) == [0, 0]
+    assert int(full.count_nonzero()) == 0
+    del full
+    tensor.free()
+    pool.drain()
 
 
 @settings(max_examples=25)

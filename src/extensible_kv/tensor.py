@@ -32,6 +32,7 @@ from extensible_kv.buffer import (
 from extensible_kv.dlpack import ByteView, as_tensor
 from extensible_kv.driver import Driver, device_with_uuid, get_driver, parse_device
 from extensible_kv.driver.pool import Kind, PoolingDriver, fill_pools_in_background, find_pool
+from extensible_kv.intervals import IntervalSet
 
 _DLPACK_TYPES = {"cpu": (1,), "cuda": (2, 10)}
 
@@ -157,6 +158,9 @@ class ExtensibleTensor:
     KV cache has 2 segments. Committed bytes are backed by physical memory;
     the rest of the range is reserved addresses only: touching it faults,
     or, with ``zero_backed``, reading it gives zeros and writing faults.
+    With ``zero_backed`` every byte past a segment's prefix reads zero, also
+    the mapped rest of the granule the prefix ends in, whatever memory the
+    driver hands out (zeroed after every grow, shrink and remap).
 
     Args:
         max_num_bytes: size of the full view in bytes; divisible by ``num_segments``.
@@ -369,6 +373,33 @@ class ExtensibleTensor:
         full = self._full_view()
         for offset, size in ranges:
             full[offset : offset + size].zero_()
+
+    def _zero_tails(self, within: list[tuple[int, int]] | None = None) -> None:
+        """Zero the mapped bytes past each segment's prefix, of a zero-backed
+        tensor; with ``within`` (the runs a grow just mapped, ``(offset,
+        size)``), only those parts of them, and only where the driver hands
+        out memory that is not zeroed.
+
+        Memory is mapped by whole granules but committed by bytes, so the
+        granule a prefix ends in is mapped past it. Kernels over a zero-backed
+        tensor read past the prefix (a captured step attends over the full
+        length, masked) and a mask cannot cancel a NaN: what lies there must
+        read zero, as the unmapped bytes do. Fresh memory from a GPU or a
+        handle pool holds garbage or old bytes, and a shrink copies the old
+        bytes of the granule it keeps; everything else past the prefix is
+        zero already, so this costs at most one granule per segment.
+        """
+        buffer = self._buffer
+        if not buffer.zero_backed or (within is not None and buffer.driver.zeroes_new_memory):
+            return
+        past = self._segment_ranges(self._bytes_per_segment, self._segment_capacity_bytes)
+        tails = [part for start, size in past for part in buffer.mapped_in(start, size)]
+        if within is not None:
+            fresh = IntervalSet()
+            for offset, size in within:
+                fresh.add(offset, offset + size)
+            tails = [(lo, hi - lo) for at, n in tails for lo, hi in fresh.overlaps(at, at + n)]
+        self._zero(tails)
 
     def resize_(self, num_bytes: int) -> torch.Tensor:
         """Grow the committed prefix to ``num_bytes``; returns :attr:`tensor`."""
@@ -609,11 +640,12 @@ def resize_per_segment_all(
     """
     with hold_locks(tensor._buffer for tensor, _ in items):
         plans = [(tensor, n, *tensor._grow_plan(n, zero_new)) for tensor, n in items]
-        commit_together([(tensor._buffer, ranges) for tensor, _, ranges, _ in plans])
-        for tensor, n, ranges, to_zero in plans:
+        mapped = commit_together([(tensor._buffer, ranges) for tensor, _, ranges, _ in plans])
+        for (tensor, n, ranges, to_zero), runs in zip(plans, mapped, strict=True):
             if ranges:
                 tensor._bytes_per_segment = n
             tensor._zero(to_zero)
+            tensor._zero_tails(within=runs)
 
 
 def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:
@@ -680,8 +712,10 @@ def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int
 
 
 def _cut(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
+    """Set the new prefixes; past them, the kept granules' old bytes go."""
     for tensor, bytes_per_segment in items:
         tensor._bytes_per_segment = bytes_per_segment
+        tensor._zero_tails()
 
 
 def _stage_all(
@@ -841,3 +875,4 @@ def _remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
             backed = all(sum(n for _, n in tensor._buffer.mapped_in(*r)) == r[1] for r in kept)
             if remapped and backed and not tensor._buffer.driver.zeroes_new_memory:
                 tensor._zero(kept)
+                tensor._zero_tails()

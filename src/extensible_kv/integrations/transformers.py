@@ -102,7 +102,6 @@ class _Lockstep:
             for buffer, row in self.buffers.buffers
         )
         self.buffers.commit(min(self.buffers.num_blocks_capacity, max(num_tokens, fits)))
-        self.zero_tails(self.buffers.buffers)
 
     def check_alive(self) -> None:
         """Refuse a freed cache: its views point at addresses with no memory."""
@@ -119,28 +118,6 @@ class _Lockstep:
         self.check_alive()
         if self.buffers.released:
             self.buffers.recommit()
-            self.zero_tails(self.buffers.buffers)
-
-    def zero_tails(self, buffers: list[tuple[ExtensibleTensor, int]]) -> None:
-        """Zero the memory mapped past the committed positions of each
-        zero-backed buffer in ``buffers`` whose driver does not zero new
-        memory (a GPU, a handle pool).
-
-        A commit maps whole granules but zeroes whole positions, so the
-        position straddling the last granule's end is mapped in part and
-        holds what that memory held (garbage, or a pool's old bytes, NaN
-        included); with static shapes attention reads it, and a mask cannot
-        cancel a NaN. Called after every commit; nothing writes there after.
-        """
-        committed = self.buffers.num_blocks_committed
-        for tensor, row in buffers:
-            buffer = tensor.buffer
-            if not buffer.zero_backed or buffer.driver.zeroes_new_memory:
-                continue
-            start = committed * row
-            full = tensor.full_view()
-            for offset, size in buffer.mapped_in(start, tensor.max_num_bytes - start):
-                full[offset : offset + size].zero_()
 
     def forget(self, num_tokens: int) -> None:
         """Zero positions ``num_tokens`` to :attr:`tokens` of every layer and
@@ -245,7 +222,6 @@ class ExtensibleLayer(CacheLayerMixin):
             for buffer, _ in made:
                 buffer.free()
             raise
-        self._lockstep.zero_tails(made)
         self.device = key_states.device
         self._batch = self.batch_size = key_states.shape[0]
         keys, values = (
