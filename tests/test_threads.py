@@ -9,6 +9,16 @@ kinds), ``recommit``, ``trim`` and a preserving ``defragment`` under an
 exclusive one, as a runner stops its kernels for them. The model: each
 block a thread wrote holds its value until a discarding call (a
 discarding sleep, a trim below it) drops it.
+
+A sleep and its wake are separate steps, so commits wake the cache too,
+and ``reserve_ahead`` is not waited for: its fills run on while the other
+threads commit, sleep and wake, as an engine reserving during its weight
+reload leaves them. Before the pool's fix, such a fill racing a sleep's
+drain released a handle twice and left it idle: on the host the next
+release failed ("no live handle"); on a driver that hands a released
+handle's value out again (HIP's handles are pointers) the stale entry
+named another tensor's memory, and the next growth mapped it a second
+time and zeroed it, the data loss this test was written for.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import pytest
@@ -24,8 +35,8 @@ from extensible_kv import ExtensibleTensor, PoolingDriver, StatisticsDriver
 from extensible_kv.kv import KVCacheBuffers
 
 THREADS = 4
-CAPACITY = 96
-PER_BLOCK = 40 * 1024 + 16  # blocks straddle granules
+CAPACITY = 64
+PER_BLOCK = 72 * 1024 + 16  # blocks straddle granules; a segment spans a few
 
 
 class SharedExclusiveLock:
@@ -67,13 +78,18 @@ class Runner:
         self.lock = SharedExclusiveLock()
         self.owned: list[dict[int, int]] = [{} for _ in range(THREADS)]
         self.errors: list[str] = []
+        self.fills: list[Future[int]] = []
 
     def view(self, buffer: ExtensibleTensor, segment: int, index: int) -> object:
         start = segment * buffer.segment_capacity_bytes + index * PER_BLOCK
         return buffer.full_view()[start : start + PER_BLOCK]
 
+    def mine(self, me: int) -> list[int]:
+        return list(range(me, self.cache.num_blocks_committed, THREADS))
+
     def write(self, me: int, rng: random.Random) -> None:
-        mine = [i for i in range(me, self.cache.num_blocks_committed, THREADS)]
+        # Asleep (only an exclusive step puts it to sleep), nothing is touched.
+        mine = [] if self.cache.released else self.mine(me)
         if not mine:
             return
         index, value = rng.choice(mine), rng.randrange(1, 256)
@@ -83,6 +99,8 @@ class Runner:
         self.owned[me][index] = value
 
     def check(self, me: int) -> None:
+        if self.cache.released:
+            return
         for index, value in self.owned[me].items():
             for b, (buffer, _) in enumerate(self.cache.buffers):
                 for segment in range(buffer.num_segments):
@@ -109,22 +127,24 @@ class Runner:
             lambda: self.cache.commit(n),
             lambda: self.cache.commit_async(n).result().wait(),
             lambda: self.cache.ensure_blocks(n),
-            lambda: self.cache.reserve_ahead(n).result(),
+            lambda: self.fills.append(self.cache.reserve_ahead(n)),
         ]
         with self.lock.shared():
             rng.choice(steps)()
 
     def exclusive_step(self, rng: random.Random) -> None:
         with self.lock.exclusive():
-            choice = rng.randrange(4)
+            choice = rng.randrange(5)
             if choice == 0:
                 self.cache.release_physical(preserve=True)
-                self.cache.recommit(keep_host_memory=rng.random() < 0.5)
             elif choice == 1:
                 self.cache.release_physical()
                 self.forget_from(0)
-                self.cache.recommit()
             elif choice == 2:
+                self.cache.recommit(keep_host_memory=rng.random() < 0.5)
+            elif self.cache.released:
+                pass  # trim and defragment are for an awake cache
+            elif choice == 3:
                 n = rng.randrange(0, self.cache.num_blocks_committed + 1)
                 self.cache.trim(n)
                 self.forget_from(n)
@@ -170,6 +190,11 @@ def test_no_thread_loses_what_it_wrote_to_another_threads_commit(
     for thread in threads:
         thread.join(120)
     assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    for fill in runner.fills:
+        fill.result(60)
+    runner.cache.recommit()  # what a preserving sleep kept comes back
+    for me in range(THREADS):
+        runner.check(me)
     runner.cache.free()
     pool.drain()  # free() gives memory to the pool, as an RMM deallocation does
     assert runner.errors == []

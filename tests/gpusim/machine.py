@@ -150,6 +150,10 @@ class SimMachine:
         self.sticky: Code | None = None
         self.completed: list[Kernel] = []
         self._next_handle = 1
+        #: Values of released handles, the last released on top: a driver
+        #: hands them out again (HIP's handles are pointers to its objects,
+        #: and CUDA promises no uniqueness), so a stale handle names new memory.
+        self._freed_handles: list[int] = []
 
     # -- state a test inspects -------------------------------------------------
 
@@ -277,8 +281,11 @@ class SimMachine:
             return self._new_handle(Allocation(device, size, fd, posix_fd, granularity, True))
 
     def _new_handle(self, allocation: Allocation) -> int:
-        handle = self._next_handle
-        self._next_handle += 1
+        if self._freed_handles:
+            handle = self._freed_handles.pop()
+        else:
+            handle = self._next_handle
+            self._next_handle += 1
         self.handles[handle] = allocation
         return handle
 
@@ -287,6 +294,7 @@ class SimMachine:
             allocation = self.handles.pop(handle, None)
             if allocation is None:
                 raise _fail(Code.INVALID_VALUE, f"no live handle {handle}")
+            self._freed_handles.append(handle)
             allocation.handles -= 1
             self._maybe_free(allocation)
 
