@@ -157,6 +157,43 @@ def test_tags_level_two_discard_and_growth_behave_as_vllm_documents(models: dict
     assert report["tokens_after_grow"] == reference["tokens"]
 
 
+@pytest.mark.parametrize("multiprocessing", [False, True])
+def test_a_sleep_that_keeps_the_prefix_cache(models: dict[str, str], multiprocessing: bool) -> None:
+    """sleep(level=0), sleep_kv_cache(preserve=True), wake_kv_cache,
+    wake_up(["scheduling"]): no KV memory while asleep, and the repeated
+    prompts are served from vLLM's prefix cache with stock's tokens."""
+    reference = stock(models, "llama", "float32")
+    report = run_engine(
+        {
+            "model": models["llama"],
+            "worker": "ours",
+            "multiprocessing": multiprocessing,
+            "steps": ["bad_keep", "keep", "forget", "unwoken"],
+        }
+    )
+    start, asleep, awake = (report[f"state_{x}"] for x in ("start", "kept_asleep", "kept_awake"))
+    assert "preserve must be a bool" in report["bad_keep"]
+    assert report["state_after_bad_keep"] == start
+    assert asleep["asleep"]
+    assert asleep["physical_bytes"] == 0
+    # On the host backend the copy is host memory too: it moves, it does not go.
+    assert asleep["host_backup_bytes"] == start["committed_bytes"]
+    assert awake["host_backup_bytes"] == 0
+    assert not awake["asleep"]
+    assert awake["base_ptrs"] == start["base_ptrs"]
+    assert awake["physical_bytes"] == start["physical_bytes"]
+    assert report["tokens_after_keep"] == reference["tokens"]
+    # Served from the prefix cache as stock's warm cache serves them (every
+    # whole block of each prompt), as if the sleep had not been.
+    assert report["cached_after_keep"] == reference["cached_again"]
+    assert sum(reference["cached_again"]) > 0
+    assert report["state_forgot_asleep"]["physical_bytes"] == 0
+    assert report["tokens_after_forget"] == reference["tokens"]
+    assert report["tokens_after_unwoken"] == reference["tokens"]
+    assert report["cached_after_unwoken"] == reference["cached_again"]
+    assert not report["state_unwoken"]["asleep"]
+
+
 def test_a_discarding_sleep_is_refused_while_a_kv_connector_is_configured(
     models: dict[str, str], tmp_path: Path
 ) -> None:

@@ -57,11 +57,19 @@ def prompts() -> list[TokensPrompt]:
 
 
 def generate(llm: LLM) -> tuple[list[list[int]], float]:
+    tokens, _, elapsed = generate_counting(llm)
+    return tokens, elapsed
+
+
+def generate_counting(llm: LLM) -> tuple[list[list[int]], list[int], float]:
+    """Greedy tokens of :func:`prompts`, the tokens each prompt found in
+    vLLM's prefix cache, and the seconds taken."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts(), params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return [list(o.outputs[0].token_ids) for o in outputs], elapsed
+    cached = [int(o.num_cached_tokens or 0) for o in outputs]
+    return [list(o.outputs[0].token_ids) for o in outputs], cached, elapsed
 
 
 def worker_rss(worker: Any) -> int:
@@ -190,8 +198,53 @@ class Run:
         self.snapshot("rewoken")
         self.tokens("after_discard")
 
+    def step_keep(self) -> None:
+        """The sleep that keeps the prefix cache: scheduler paused, KV
+        blocks copied to the host and every byte released, then back."""
+        self.llm.sleep(level=0)
+        self.llm.collective_rpc("sleep_kv_cache", kwargs={"preserve": True})
+        self.snapshot("kept_asleep")
+        self.llm.collective_rpc("wake_kv_cache")
+        self.llm.wake_up(tags=["scheduling"])
+        self.snapshot("kept_awake")
+        self.report["tokens_after_keep"], self.report["cached_after_keep"], _ = generate_counting(
+            self.llm
+        )
+
+    def step_forget(self) -> None:
+        """A discarding KV sleep at level 0, the prefix cache reset before resuming."""
+        self.llm.sleep(level=0)
+        self.llm.collective_rpc("sleep_kv_cache", kwargs={"preserve": False})
+        self.snapshot("forgot_asleep")
+        self.llm.collective_rpc("wake_kv_cache")
+        self.llm.reset_prefix_cache()
+        self.llm.wake_up(tags=["scheduling"])
+        self.report["tokens_after_forget"], _ = generate(self.llm)
+
+    def step_unwoken(self) -> None:
+        """The scheduler resumed with the KV cache still asleep: the next
+        step wakes it (with what it kept) instead of faulting."""
+        self.llm.sleep(level=0)
+        self.llm.collective_rpc("sleep_kv_cache", kwargs={"preserve": True})
+        self.llm.wake_up(tags=["scheduling"])
+        self.report["tokens_after_unwoken"], self.report["cached_after_unwoken"], _ = (
+            generate_counting(self.llm)
+        )
+        self.snapshot("unwoken")
+
+    def step_bad_keep(self) -> None:
+        try:
+            self.llm.collective_rpc("sleep_kv_cache", kwargs={"preserve": "yes"})
+        except Exception as exc:  # vLLM wraps what the worker raised
+            self.report["bad_keep"] = str(exc)
+        self.snapshot("after_bad_keep")
+
 
 STEPS = {
+    "keep": Run.step_keep,
+    "forget": Run.step_forget,
+    "unwoken": Run.step_unwoken,
+    "bad_keep": Run.step_bad_keep,
     "sleep": Run.step_sleep,
     "tags": Run.step_tags,
     "level2": Run.step_level2,
@@ -242,7 +295,7 @@ def main() -> None:
     run.report["warnings"] = [str(w.message) for w in caught if "extensible-kv" in str(w.message)]
     run.report["bound"] = run.rpc(bound_tensors)
     run.report["tokens"], first = generate(llm)
-    run.report["tokens_again"], again = generate(llm)
+    run.report["tokens_again"], run.report["cached_again"], again = generate_counting(llm)
     run.report["generate_s"] = [first, again]
     run.snapshot("start")
     for step in settings.get("steps", []):

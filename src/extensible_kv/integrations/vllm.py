@@ -18,6 +18,12 @@ GPU) and changes three things, through vLLM's hooks:
   ``wake_up(tags=["kv_cache"])`` commit it again, zeroed, at the same
   addresses. Weights go through vLLM's own path (the parent's) where vLLM's
   sleep mode is on, on a GPU; on CPU they stay resident.
+- **A sleep that keeps the prefix cache.** After ``llm.sleep(level=0)``
+  (scheduler paused, caches kept), ``collective_rpc("sleep_kv_cache",
+  kwargs={"preserve": True})`` copies the KV blocks to host memory and
+  releases every byte; ``collective_rpc("wake_kv_cache")`` puts them back,
+  and ``llm.wake_up(tags=["scheduling"])`` resumes serving from the same
+  prefix cache.
 - **Inspection.** ``llm.collective_rpc("extensible_kv_state")`` gives each
   worker's figures (:meth:`ExtensibleKVWorker.extensible_kv_state`).
 
@@ -40,6 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from extensible_kv import unavailable_reason
+from extensible_kv._checks import check_bool
 from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
 from extensible_kv.kv import KVCache, allocate_kv_cache, at_capacity
 from extensible_kv.kv.strided import segmentation
@@ -64,6 +71,7 @@ STATE_KEYS = (
     "num_blocks_capacity",
     "base_ptrs",
     "asleep",
+    "host_backup_bytes",
 )
 
 
@@ -288,6 +296,59 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if rest:
             super().discard(rest)
 
+    # -- a sleep that keeps the prefix cache -----------------------------------------
+
+    def _managed(self, what: str) -> KVCache:
+        """The worker's KV cache, or a RuntimeError saying why ``what`` has none."""
+        if self._kv is None:
+            raise RuntimeError(
+                f"{what}: extensible-kv does not hold this worker's KV cache (virtual "
+                f"memory is unavailable on {self.device}, so vLLM allocated it itself)"
+            )
+        return self._kv
+
+    def sleep_kv_cache(self, preserve: bool = False) -> None:
+        """Release every byte of KV physical memory, for
+        ``llm.collective_rpc("sleep_kv_cache", kwargs={"preserve": True})``
+        after ``llm.sleep(level=0)`` (which pauses the scheduler and keeps
+        vLLM's prefix cache).
+
+        With ``preserve`` the committed blocks are copied to host memory
+        first and :meth:`wake_kv_cache` puts them back, so the prefix cache
+        still holds after the wake. Without, the contents are discarded:
+        call ``llm.reset_prefix_cache()`` before resuming, or vLLM would
+        serve cached prefixes from zeroed blocks. Idempotent.
+        """
+        check_bool("preserve", preserve)
+        kv = self._managed("sleep_kv_cache")
+        if self._has_connector():
+            raise RuntimeError(
+                f"sleep_kv_cache would release the KV cache, which {self._connector_name()} "
+                f"has registered for transfers; vLLM's connectors do not register it again "
+                f"after a wake. Sleep at level 0 only, or run without the connector"
+            )
+        kv.buffers.release_physical(preserve=preserve)
+
+    def wake_kv_cache(self) -> None:
+        """Commit the KV cache again at the same addresses, with what a
+        preserving :meth:`sleep_kv_cache` kept (zeroed otherwise); then
+        ``llm.wake_up(tags=["scheduling"])`` resumes the scheduler. Does
+        nothing while awake."""
+        self._managed("wake_kv_cache").buffers.recommit()
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's step, after waking a KV cache still asleep: a step over
+        released memory would fault (a device fault; SIGSEGV on the host)."""
+        if self._kv is not None and self._kv.buffers.released:
+            warnings.warn(
+                "extensible-kv: a model step ran while the KV cache slept; it is woken "
+                "first (call wake_kv_cache before resuming the scheduler)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._kv.buffers.recommit()
+        return super().execute_model(*args, **kwargs)
+
     # -- inspection ----------------------------------------------------------------
 
     def extensible_kv_state(self) -> dict[str, Any]:
@@ -296,7 +357,9 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         Keys: ``reserved_bytes`` (address space), ``committed_bytes`` (the
         committed blocks' bytes), ``physical_bytes`` (memory held, whole
         granules), ``num_blocks_committed``, ``num_blocks_capacity``,
-        ``base_ptrs`` (one address per backing buffer) and ``asleep``; and
+        ``base_ptrs`` (one address per backing buffer), ``asleep`` and
+        ``host_backup_bytes`` (host memory holding a preserving sleep's
+        copy); and
         ``enabled``, False where the worker fell back to vLLM's allocation
         (every figure then 0).
         """
@@ -312,5 +375,6 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             "num_blocks_capacity": buffers.num_blocks_capacity,
             "base_ptrs": buffers.base_ptrs,
             "asleep": buffers.released,
+            "host_backup_bytes": buffers.host_backup_bytes,
             "enabled": True,
         }
