@@ -22,6 +22,9 @@ pytest.importorskip("vllm")
 from extensible_kv.demo.tiny_models import save_tiny_model
 
 ENGINE = Path(__file__).resolve().parent / "vllm_engine.py"
+#: Rounds of new prompts for the on-demand growth: enough for vLLM to hand
+#: out ids past one granule of blocks (each round caches a few full blocks).
+LOAD_ROUNDS = 10
 
 
 def run_engine(settings: dict[str, Any], *, expect_failure: bool = False) -> dict[str, Any]:
@@ -168,9 +171,10 @@ def test_a_sleep_that_keeps_the_prefix_cache(models: dict[str, str], multiproces
             "model": models["llama"],
             "worker": "ours",
             "multiprocessing": multiprocessing,
-            "steps": ["bad_keep", "keep", "forget", "unwoken"],
+            "steps": ["bad_keep", "trim_refused", "keep", "forget", "unwoken"],
         }
     )
+    assert "needs additional_config" in report["trim_refused"]
     start, asleep, awake = (report[f"state_{x}"] for x in ("start", "kept_asleep", "kept_awake"))
     assert "preserve must be a bool" in report["bad_keep"]
     assert report["state_after_bad_keep"] == start
@@ -192,6 +196,44 @@ def test_a_sleep_that_keeps_the_prefix_cache(models: dict[str, str], multiproces
     assert report["tokens_after_unwoken"] == reference["tokens"]
     assert report["cached_after_unwoken"] == reference["cached_again"]
     assert not report["state_unwoken"]["asleep"]
+
+
+def test_memory_follows_the_load(models: dict[str, str]) -> None:
+    """growth: on_demand. Physical memory is the blocks vLLM has handed out
+    (rounded to a granule), far below its count; idle, a trim gives it back;
+    a discarding sleep wakes to the first step. Tokens equal stock's."""
+    load = {"steps": ["load"], "load_rounds": LOAD_ROUNDS}
+    reference = run_engine({"model": models["llama"], "worker": "stock", **load})
+    report = run_engine(
+        {
+            "model": models["llama"],
+            "worker": "ours",
+            "multiprocessing": True,
+            "kv_bytes": 256 << 20,
+            "additional_config": {"extensible_kv": {"growth": "on_demand"}},
+            "steps": ["load", "trim", "slept"],
+            "load_rounds": LOAD_ROUNDS,
+        }
+    )
+    start = report["state_start"]
+    assert start["growth"] == "on_demand"
+    rounds = [report[f"state_load_{i}"] for i in range(LOAD_ROUNDS)]
+    for label in ("tokens", "tokens_again", *(f"tokens_load_{i}" for i in range(LOAD_ROUNDS))):
+        assert report[label] == reference[label], label
+    committed = [s["num_blocks_committed"] for s in (start, *rounds)]
+    assert committed == sorted(committed)  # vLLM hands out fresh ids first
+    assert committed[-1] > committed[0]  # and the memory followed them
+    assert all(s["num_blocks_committed"] == s["high_water_blocks"] for s in (start, *rounds))
+    assert 0 < committed[-1] <= report["engine_blocks"] // 4
+    assert rounds[-1]["physical_bytes"] < rounds[-1]["reserved_bytes"] // 4
+    trimmed = report["state_trimmed"]
+    assert report["trimmed_to"] == trimmed["num_blocks_committed"] < committed[-1]
+    assert trimmed["physical_bytes"] < rounds[-1]["physical_bytes"]
+    assert trimmed["base_ptrs"] == start["base_ptrs"]
+    assert report["tokens_after_trim"] == reference["tokens"]
+    assert report["state_after_trim"]["num_blocks_committed"] > trimmed["num_blocks_committed"]
+    assert report["state_woke"]["num_blocks_committed"] == trimmed["num_blocks_committed"]
+    assert report["tokens_after_woke"] == reference["tokens"]
 
 
 def test_a_discarding_sleep_is_refused_while_a_kv_connector_is_configured(
@@ -227,21 +269,28 @@ def test_a_capacity_option_is_reserved_for(models: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("options", "message", "with_connector"),
     [
-        ({"num_blocks_capacity": 1}, "below the"),
-        ({"num_blocks_capacity": "lots"}, "give an int"),
-        ({"capacity": 4096}, "takes a dict with num_blocks_capacity only"),
+        ({"num_blocks_capacity": 1}, "below the", False),
+        ({"num_blocks_capacity": "lots"}, "give an int", False),
+        ({"capacity": 4096}, "takes a dict with num_blocks_capacity and growth only", False),
+        ({"growth": "lazy"}, "give one of 'static', 'on_demand'", False),
+        ({"growth": "on_demand"}, "cannot serve a KV connector", True),
     ],
 )
 def test_bad_configuration_is_one_clear_line(
-    models: dict[str, str], options: dict[str, Any], message: str
+    models: dict[str, str],
+    tmp_path: Path,
+    options: dict[str, Any],
+    message: str,
+    with_connector: bool,
 ) -> None:
     result = run_engine(
         {
             "model": models["llama"],
             "worker": "ours",
             "additional_config": {"extensible_kv": options},
+            "connector": str(tmp_path / "kv") if with_connector else None,
         },
         expect_failure=True,
     )

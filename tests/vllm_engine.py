@@ -6,7 +6,8 @@ Settings (JSON): ``model`` (a directory), ``worker`` ("ours" or "stock"),
 ``dtype``, ``multiprocessing`` (vLLM's default worker process, else engine
 and worker in this process), ``runner`` (None, "v1" or "v2"), ``steps``
 (sleep and wake sequences run after the first two generations, see STEPS),
-``additional_config``, ``connector`` (a directory for vLLM's ExampleConnector)
+``additional_config``, ``load_rounds`` (rounds of new prompts in the
+"load" step), ``connector`` (a directory for vLLM's ExampleConnector)
 and ``fallback`` (the driver probe answers "no VMM":
 a labelled mock of the one boundary a CPU machine cannot reach, in-process
 only). The last line printed is ``RESULT`` and a JSON report.
@@ -43,30 +44,31 @@ OURS = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 NEW_TOKENS = 16
 
 
-def prompts() -> list[TokensPrompt]:
+def prompts(variant: int = 0) -> list[TokensPrompt]:
     """8 prompts of 3 to 200 tokens; the last four share a 48-token prefix
-    (prefix caching) and the long ones span several prefill chunks."""
-    shared = [(11 * j) % 509 + 1 for j in range(48)]
+    (prefix caching) and the long ones span several prefill chunks. Each
+    ``variant`` has other tokens (no prefix shared with the others)."""
+    shared = [(11 * j + variant) % 509 + 1 for j in range(48)]
     lengths = (3, 17, 33, 64, 90, 129, 150, 200)
     out = []
     for i, length in enumerate(lengths):
-        body = [(7 * i + 13 * j) % 503 + 1 for j in range(length)]
+        body = [(7 * i + 13 * j + 5 * variant) % 503 + 1 for j in range(length)]
         ids = (shared + body)[:length] if i >= 4 else body
         out.append(TokensPrompt(prompt_token_ids=ids))
     return out
 
 
-def generate(llm: LLM) -> tuple[list[list[int]], float]:
-    tokens, _, elapsed = generate_counting(llm)
+def generate(llm: LLM, variant: int = 0) -> tuple[list[list[int]], float]:
+    tokens, _, elapsed = generate_counting(llm, variant)
     return tokens, elapsed
 
 
-def generate_counting(llm: LLM) -> tuple[list[list[int]], list[int], float]:
+def generate_counting(llm: LLM, variant: int = 0) -> tuple[list[list[int]], list[int], float]:
     """Greedy tokens of :func:`prompts`, the tokens each prompt found in
     vLLM's prefix cache, and the seconds taken."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
     start = time.perf_counter()
-    outputs = llm.generate(prompts(), params, use_tqdm=False)
+    outputs = llm.generate(prompts(variant), params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     cached = [int(o.num_cached_tokens or 0) for o in outputs]
     return [list(o.outputs[0].token_ids) for o in outputs], cached, elapsed
@@ -120,6 +122,12 @@ def grow(worker: Any) -> bool:
     before = [tensor.data_ptr() for tensor in worker.model_runner.kv_caches]
     buffers.commit(min(buffers.num_blocks_capacity, 2 * buffers.num_blocks_committed))
     return before != [tensor.data_ptr() for tensor in worker.model_runner.kv_caches]
+
+
+def engine_blocks(worker: Any) -> int:
+    """The block count vLLM's scheduler was given."""
+    worker = getattr(worker, "worker", worker)
+    return int(worker.model_runner.kv_cache_config.num_blocks)
 
 
 def kv_nonzero(worker: Any) -> int:
@@ -232,6 +240,34 @@ class Run:
         )
         self.snapshot("unwoken")
 
+    def step_load(self) -> None:
+        """Rounds of new prompts (``load_rounds``): memory follows the ids vLLM hands out."""
+        self.report["engine_blocks"] = self.rpc(engine_blocks)
+        for round_ in range(settings["load_rounds"]):
+            self.report[f"tokens_load_{round_}"], _ = generate(self.llm, variant=1 + round_)
+            self.snapshot(f"load_{round_}")
+
+    def step_trim(self) -> None:
+        """Idle: the prefix cache reset, then the memory past the first step given back."""
+        self.llm.reset_prefix_cache()
+        self.report["trimmed_to"] = self.rpc("trim_kv_cache")
+        self.snapshot("trimmed")
+        self.report["tokens_after_trim"], _ = generate(self.llm)
+        self.snapshot("after_trim")
+
+    def step_slept(self) -> None:
+        """A discarding sleep (level 1): the wake commits only the first step."""
+        self.llm.sleep(level=1)
+        self.llm.wake_up()
+        self.snapshot("woke")
+        self.report["tokens_after_woke"], _ = generate(self.llm)
+
+    def step_trim_refused(self) -> None:
+        try:
+            self.rpc("trim_kv_cache")
+        except Exception as exc:  # vLLM wraps what the worker raised
+            self.report["trim_refused"] = str(exc)
+
     def step_bad_keep(self) -> None:
         try:
             self.llm.collective_rpc("sleep_kv_cache", kwargs={"preserve": "yes"})
@@ -241,6 +277,10 @@ class Run:
 
 
 STEPS = {
+    "load": Run.step_load,
+    "trim": Run.step_trim,
+    "slept": Run.step_slept,
+    "trim_refused": Run.step_trim_refused,
     "keep": Run.step_keep,
     "forget": Run.step_forget,
     "unwoken": Run.step_unwoken,

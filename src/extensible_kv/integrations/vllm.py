@@ -29,7 +29,10 @@ GPU) and changes three things, through vLLM's hooks:
 
 Options go in ``LLM(..., additional_config={"extensible_kv": {...}})``:
 ``num_blocks_capacity`` (blocks to reserve address space for; default: as
-many as the device's total memory holds). Without virtual memory management
+many as the device's total memory holds) and ``growth`` (``"static"``:
+commit vLLM's block count at start; ``"on_demand"``: commit blocks as the
+scheduler hands their ids out, before the step that uses them, and
+``collective_rpc("trim_kv_cache")`` gives memory back when idle). Without virtual memory management
 on the device, the worker falls back to vLLM's own allocation with one
 warning.
 """
@@ -46,9 +49,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from extensible_kv import unavailable_reason
-from extensible_kv._checks import check_bool
+from extensible_kv._checks import check_bool, check_int
 from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
 from extensible_kv.kv import KVCache, allocate_kv_cache, at_capacity
+from extensible_kv.kv.growth import OnDemandGrowth
 from extensible_kv.kv.strided import segmentation
 
 check_vllm_version(installed_vllm())
@@ -72,7 +76,14 @@ STATE_KEYS = (
     "base_ptrs",
     "asleep",
     "host_backup_bytes",
+    "growth",
+    "high_water_blocks",
 )
+
+#: The options ``additional_config["extensible_kv"]`` takes.
+OPTIONS = ("num_blocks_capacity", "growth")
+#: The values of the ``growth`` option.
+GROWTH_MODES = ("static", "on_demand")
 
 
 class _HandOver(TorchFunctionMode):
@@ -126,6 +137,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._kv: KVCache | None = None
+        self._growth: OnDemandGrowth | None = None
         self._handover: _HandOver | None = None
 
     # -- allocation ---------------------------------------------------------------
@@ -133,15 +145,27 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     def _options(self) -> dict[str, Any]:
         extra = self.vllm_config.additional_config or {}
         options = extra.get("extensible_kv", {}) if isinstance(extra, dict) else {}
-        unknown = (
-            sorted(set(options) - {"num_blocks_capacity"}) if isinstance(options, dict) else []
-        )
+        unknown = sorted(set(options) - set(OPTIONS)) if isinstance(options, dict) else []
         if not isinstance(options, dict) or unknown:
             raise ValueError(
-                f"additional_config['extensible_kv'] takes a dict with num_blocks_capacity "
-                f"only, got {', '.join(unknown) or repr(options)}"
+                f"additional_config['extensible_kv'] takes a dict with "
+                f"{' and '.join(OPTIONS)} only, got {', '.join(unknown) or repr(options)}"
+            )
+        growth = options.get("growth", "static")
+        if growth not in GROWTH_MODES:
+            raise ValueError(
+                f"additional_config['extensible_kv']['growth'] is {growth!r}; "
+                f"give one of {', '.join(map(repr, GROWTH_MODES))}"
+            )
+        if growth == "on_demand" and self._has_connector():
+            raise ValueError(
+                "additional_config['extensible_kv']['growth'] 'on_demand' cannot serve a KV "
+                "connector: what a connector registers must not grow; use 'static'"
             )
         return options
+
+    def _on_demand(self) -> bool:
+        return bool(self._options().get("growth") == "on_demand")
 
     def _capacity(self, config: Any, bytes_per_block: int) -> int:
         """Blocks to reserve address space for: the option, else as many as
@@ -184,7 +208,12 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         self._check_connector_pool(runner_config)
         kv = allocate_kv_cache(layout, device=self.device, shareable=self._has_connector())
         try:
-            kv.buffers.commit(num_blocks, defragment=self._has_connector())
+            if self._on_demand():
+                # Memory follows the ids the scheduler hands out (execute_model).
+                self._growth = OnDemandGrowth(kv.buffers, num_blocks)
+                self._growth.start()
+            else:
+                kv.buffers.commit(num_blocks, defragment=self._has_connector())
             self._kv, self._handover = kv, _HandOver(kv.backing[0])
             super().initialize_from_config(runner_config)
             if not self._handover.used:
@@ -193,7 +222,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
                     "extensible-kv cannot place it"
                 )
         except BaseException:
-            self._kv = None
+            self._kv = self._growth = None
             kv.free()
             raise
         finally:
@@ -201,10 +230,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if self._has_connector():
             kv.buffers.register_external(self._connector_name())
         logger.info(
-            "extensible-kv: %d of %d blocks committed (%d bytes reserved)",
-            num_blocks,
+            "extensible-kv: %d of %d blocks committed (%d bytes reserved; vLLM's count %d)",
+            kv.buffers.num_blocks_committed,
             capacity,
             kv.buffers.reserved_bytes,
+            num_blocks,
         )
 
     def _maybe_get_memory_pool_context(self, tag: str) -> Any:
@@ -280,9 +310,18 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             super().wake_up(tags)
             return
         if tags is None or "kv_cache" in tags:
-            self._kv.buffers.recommit()
+            self._wake_kv()
         if self._parent_sleeps():
             super().wake_up(tags)
+
+    def _wake_kv(self) -> None:
+        """Commit the KV cache again: what it held, or with on-demand growth
+        the first step after a discarding sleep (vLLM reset its prefix cache)."""
+        assert self._kv is not None
+        if self._growth is not None:
+            self._growth.wake()
+        else:
+            self._kv.buffers.recommit()
 
     def discard(self, tags: tuple[str, ...]) -> None:
         """Drop tagged memory without a backup: ``"kv_cache"`` releases the
@@ -334,20 +373,65 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         preserving :meth:`sleep_kv_cache` kept (zeroed otherwise); then
         ``llm.wake_up(tags=["scheduling"])`` resumes the scheduler. Does
         nothing while awake."""
-        self._managed("wake_kv_cache").buffers.recommit()
+        self._managed("wake_kv_cache")
+        self._wake_kv()
+
+    def trim_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Give back the KV memory past ``num_blocks`` blocks (default: past
+        the blocks of the requests still running), for
+        ``llm.collective_rpc("trim_kv_cache", args=(n,))``; returns the
+        blocks still committed. Needs ``growth: "on_demand"``.
+
+        Call it after ``llm.reset_prefix_cache()``: vLLM's prefix cache may
+        name any block, and a trimmed block reads zero when it comes back.
+        Blocks of running requests are never trimmed (a smaller count is a
+        ValueError naming them).
+        """
+        self._managed("trim_kv_cache")
+        if self._growth is None:
+            raise RuntimeError(
+                "trim_kv_cache needs additional_config={'extensible_kv': {'growth': "
+                "'on_demand'}}: with static growth vLLM may use every block it was given"
+            )
+        in_use = self._blocks_in_use()
+        if num_blocks is None:
+            num_blocks = in_use
+        check_int("num_blocks", num_blocks)
+        if num_blocks < in_use:
+            raise ValueError(
+                f"trim_kv_cache({num_blocks}) would drop blocks that running requests "
+                f"use (up to block {in_use - 1}); keep at least {in_use}"
+            )
+        return self._growth.trim(num_blocks)
+
+    def _blocks_in_use(self) -> int:
+        """One past the highest block id of the requests the runner holds."""
+        requests = getattr(self.model_runner, "requests", {})
+        return 1 + max(
+            (i for state in requests.values() for group in state.block_ids for i in group),
+            default=-1,
+        )
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's step, after waking a KV cache still asleep: a step over
+        """vLLM's step, after committing the blocks it is about to use (with
+        on-demand growth) and waking a KV cache still asleep: a step over
         released memory would fault (a device fault; SIGSEGV on the host)."""
-        if self._kv is not None and self._kv.buffers.released:
+        if self._kv is not None:
+            self._before_step(args[0] if args else kwargs.get("scheduler_output"))
+        return super().execute_model(*args, **kwargs)
+
+    def _before_step(self, scheduler_output: Any) -> None:
+        assert self._kv is not None
+        if self._kv.buffers.released:
             warnings.warn(
                 "extensible-kv: a model step ran while the KV cache slept; it is woken "
                 "first (call wake_kv_cache before resuming the scheduler)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-            self._kv.buffers.recommit()
-        return super().execute_model(*args, **kwargs)
+            self._wake_kv()
+        if self._growth is not None and scheduler_output is not None:
+            self._growth.ensure(_scheduled_block_ids(scheduler_output))
 
     # -- inspection ----------------------------------------------------------------
 
@@ -359,13 +443,20 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         granules), ``num_blocks_committed``, ``num_blocks_capacity``,
         ``base_ptrs`` (one address per backing buffer), ``asleep`` and
         ``host_backup_bytes`` (host memory holding a preserving sleep's
-        copy); and
+        copy), ``growth`` (``"static"`` or ``"on_demand"``) and
+        ``high_water_blocks`` (the most blocks committed at once); and
         ``enabled``, False where the worker fell back to vLLM's allocation
         (every figure then 0).
         """
         if self._kv is None:
             fallback: dict[str, Any] = {key: 0 for key in STATE_KEYS}
-            return {**fallback, "base_ptrs": [], "asleep": False, "enabled": False}
+            return {
+                **fallback,
+                "base_ptrs": [],
+                "asleep": False,
+                "growth": "static",
+                "enabled": False,
+            }
         buffers = self._kv.buffers
         return {
             "reserved_bytes": buffers.reserved_bytes,
@@ -376,5 +467,25 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             "base_ptrs": buffers.base_ptrs,
             "asleep": buffers.released,
             "host_backup_bytes": buffers.host_backup_bytes,
+            "growth": "static" if self._growth is None else "on_demand",
+            "high_water_blocks": (
+                buffers.num_blocks_committed if self._growth is None else self._growth.high_water
+            ),
             "enabled": True,
         }
+
+
+def _scheduled_block_ids(scheduler_output: Any) -> list[int]:
+    """Every block id a vLLM step is about to use: new requests' blocks,
+    running requests' new blocks, and the blocks it zeroes or copies into."""
+    ids: list[int] = []
+    for request in scheduler_output.scheduled_new_reqs:
+        for group in request.block_ids:
+            ids.extend(group)
+    for blocks in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for group in blocks or ():
+            ids.extend(group)
+    ids.extend(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+    for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+        ids.extend((copy.src_block_id, copy.dst_block_id))
+    return ids

@@ -176,6 +176,16 @@ class KVCacheBuffers:
         return sum(buffer.num_segments * per_block for buffer, per_block in self.buffers)
 
     @property
+    def blocks_per_granule(self) -> int:
+        """Blocks one granule holds in the buffer whose blocks are largest
+        (at least 1): the step a growth that follows the load commits in,
+        since a commit maps whole granules anyway (0 with no buffer)."""
+        steps = [
+            max(1, buffer.buffer.granularity // per_block) for buffer, per_block in self.buffers
+        ]
+        return min(steps, default=0)
+
+    @property
     def physical_bytes(self) -> int:
         """Physical memory held, summed over buffers (whole granules)."""
         return sum(buffer.physical_bytes for buffer, _ in self.buffers)
@@ -614,7 +624,11 @@ class KVCacheBuffers:
 
     @_serialized
     def recommit(
-        self, *, keep_host_memory: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES
+        self,
+        *,
+        keep_host_memory: bool = False,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        num_blocks: int | None = None,
     ) -> None:
         """Wake: commit the block count held before :meth:`release_physical`.
 
@@ -627,12 +641,26 @@ class KVCacheBuffers:
 
         After a commit while released woke the cache partly, this grows it
         (zeroed) to the count it slept at. Does nothing otherwise.
+
+        ``num_blocks`` wakes to that count instead of the one slept at, for
+        memory that follows the load: after a discarding release exactly
+        that many blocks are committed (zeroed; 0 commits nothing); after a
+        preserving one the host copy is restored whole, then grown to
+        ``num_blocks`` if that is more.
         """
         self._check_alive("recommit()")
+        if num_blocks is not None:
+            self._check_count("recommit", num_blocks)
+        asleep, partly = self._asleep_at is not None, self._wake_to is not None
+        if num_blocks is not None and asleep and self._backup is None:
+            self._grow(num_blocks)
+            self._asleep_at = self._wake_to = None
+            return
         self._recommit(keep_host_memory=keep_host_memory, staging_bytes=staging_bytes)
-        if self._wake_to is not None:
-            if self._wake_to > self._committed:
-                self._grow(self._wake_to)
+        if asleep or partly:
+            target = self._wake_to if num_blocks is None else num_blocks
+            if target is not None and target > self._committed:
+                self._grow(target)
             self._wake_to = None
 
     def _recommit(self, *, keep_host_memory: bool, staging_bytes: int) -> None:
