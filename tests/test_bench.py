@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ SUITES = (
     "view_access",
     "bookkeeping",
     "overhead",
+    "vllm",
 )  # written out: a suite dropped from the bench fails here
 
 
@@ -38,6 +40,8 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert wake["cold_vs_floor"] > 0
     assert wake["reserved_ahead_vs_floor"] > 0
     assert results["release_beside_work"] == {"skipped": "GPU only"}
+    if importlib.util.find_spec("vllm") is None:  # nox -s tests: the suite says why not
+        assert results["vllm"] == {"skipped": "vLLM is not installed (nox -s vllm installs it)"}
     assert results["bookkeeping"]["driver_calls_per_commit"] == pytest.approx(4, abs=0.1)
     for rows in results["overhead"].values():
         for row in rows.values():
@@ -50,6 +54,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert "reserved ahead while asleep" in out
     assert "vs the memset floor" in out
     assert out.count("not measured on this machine (no GPU)") == 4, "the GPU-only goals"
+    assert "10. vLLM, stock and on extensible-kv" in out
 
 
 def test_the_expandable_segments_peer_runs_in_a_process_of_its_own() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv.bench import suites
+from extensible_kv.bench import engine, suites
 from extensible_kv.bench.measure import MiB, warm_up
 
 #: The suites, in the order they run.
@@ -27,6 +27,7 @@ SUITES = (
     "view_access",
     "bookkeeping",
     "overhead",
+    "vllm",
 )
 
 
@@ -46,6 +47,8 @@ class BenchPlan:
     bookkeeping_granules: int = 100_000
     bookkeeping_real_granules: int = 20_000
     overhead_blocks: tuple[int, ...] = (1, 10, 100, 1000)
+    vllm_rounds: int = 3
+    vllm_kv_bytes: int = 512 * MiB
 
     @classmethod
     def for_device(cls, device: torch.device, quick: bool) -> BenchPlan:
@@ -63,6 +66,8 @@ class BenchPlan:
                 bookkeeping_granules=1000,
                 bookkeeping_real_granules=200,
                 overhead_blocks=(1, 10, 100),
+                vllm_rounds=1,
+                vllm_kv_bytes=64 * MiB,
             )
         if device.type == "cuda":
             return cls(
@@ -115,6 +120,7 @@ def run(
             plan.bookkeeping_granules, plan.bookkeeping_real_granules
         ),
         "overhead": lambda: suites.overhead(device, list(plan.overhead_blocks)),
+        "vllm": lambda: engine.suite(plan.vllm_rounds, plan.vllm_kv_bytes),
     }
     for name in SUITES:
         progress(name)

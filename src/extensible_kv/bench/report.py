@@ -158,8 +158,35 @@ def tables(results: dict[str, Any]) -> list[Table]:
             cells.append(f"{row['overhead'] / MiB:.1f} MiB ({share:.0%})")
         table.add_row(name, *cells)
     out.append(table)
+    vllm = vllm_table(results.get("vllm"))
+    if vllm is not None:
+        out.append(vllm)
     out.append(goals(results))
     return out
+
+
+def vllm_table(vllm: dict[str, Any] | None) -> Table | None:
+    """The ``vllm`` suite: median [min-max] per kind and ours / stock, or a
+    one-line table saying why it did not run; None for results without it."""
+    if vllm is None:
+        return None
+    if "skipped" in vllm:
+        table = Table(title="10. vLLM, stock and on extensible-kv")
+        table.add_column("skipped")
+        table.add_row(vllm["skipped"])
+        return table
+    from extensible_kv.bench.engine import rows
+
+    table = Table(
+        title=f"10. vLLM, stock and on extensible-kv ({vllm['kv_bytes'] // MiB} MiB KV, "
+        f"{vllm['rounds']} rounds): median [min-max]"
+    )
+    head, *body = rows(vllm)
+    for column in head:
+        table.add_column(column, justify="right")
+    for cells in body:
+        table.add_row(*cells)
+    return table
 
 
 #: What a GPU row says on a machine without one.
@@ -278,4 +305,40 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     files.append(path)
+    vllm = results.get("vllm")
+    if vllm is not None and "skipped" not in vllm:
+        files.append(plot_vllm(vllm, out / "vllm-memory.png"))
     return files
+
+
+def plot_vllm(vllm: dict[str, Any], path: Path) -> Path:
+    """Each kind's resident memory over its run, phases marked, as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for kind, timeline in vllm["timelines"].items():
+        points = timeline["points"]
+        (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], label=kind)
+        for at, label in timeline["marks"]:
+            ax.axvline(at, color=line.get_color(), linewidth=0.6, linestyle=":")
+            ax.annotate(
+                label,
+                (at, 0),
+                xytext=(2, 2),
+                textcoords="offset points",
+                fontsize=7,
+                color=line.get_color(),
+                rotation=90,
+            )
+    ax.set_xlabel("seconds since the engine was made")
+    ax.set_ylabel("resident memory (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(
+        f"vLLM engine process memory: start, decode, sleep(level=1), wake, restart "
+        f"({vllm['kv_bytes'] // MiB} MiB KV)"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,264 @@
+"""The ``vllm`` suite: stock vLLM and vLLM on extensible-kv, side by side in one run.
+
+Each round starts one engine of each kind, in turn, each in a process of its
+own (so that none inherits another's memory), on one tiny model: stock
+vLLM, ours with static growth, and ours with memory that follows the load
+(``growth: "on_demand"``). Each measures its start (``LLM(...)``), decode
+tokens per second (8 sequences of 128 new tokens), ``llm.sleep(level=1)``
+and ``llm.wake_up()``, a restart (the engine dropped and a new ``LLM`` made:
+what vLLM's sleep mode is sold against), and its resident memory sampled
+every 20 ms over the whole run. Figures are min, median and max over the
+rounds; ratios are medians, ours over stock. Runs only where vLLM is
+installed.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+OURS = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
+#: name -> (worker_cls, additional_config["extensible_kv"] or None)
+KINDS: dict[str, tuple[str, dict[str, str] | None]] = {
+    "stock": ("auto", None),
+    "ours": (OURS, {}),
+    "ours_on_demand": (OURS, {"growth": "on_demand"}),
+}
+#: (key, label, unit) of each figure an engine reports.
+FIGURES = (
+    ("start_s", "engine start", "s"),
+    ("decode_tok_s", "decode", "tok/s"),
+    ("sleep_s", "sleep(level=1)", "s"),
+    ("wake_s", "wake_up()", "s"),
+    ("restart_s", "restart: drop the engine, new LLM", "s"),
+    ("rss_before", "resident before sleep", "MiB"),
+    ("rss_asleep", "resident asleep", "MiB"),
+    ("rss_awake", "resident after wake", "MiB"),
+)
+SAMPLE_S = 0.02
+
+
+def unavailable() -> str | None:
+    """Why the suite cannot run here, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (nox -s vllm installs it)"
+    from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
+
+    try:
+        check_vllm_version(installed_vllm())
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Sampler:
+    """This process's resident memory every :data:`SAMPLE_S` seconds, with
+    the phases marked: ``(seconds since start, MiB)`` points."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.points: list[tuple[float, float]] = []
+        self.marks: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.points.append((time.perf_counter() - self.start, _resident_bytes() / MiB))
+
+    def mark(self, label: str) -> None:
+        self.marks.append((time.perf_counter() - self.start, label))
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        return {"points": self.points, "marks": self.marks}
+
+
+def _engine(model: str, worker: str, options: dict[str, str] | None, kv_bytes: int) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=kv_bytes,
+        worker_cls=worker,
+        additional_config={"extensible_kv": options} if options is not None else {},
+    )
+
+
+def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = call()
+    return value, time.perf_counter() - start
+
+
+def child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
+    """One engine of ``kind``, in this process: the figures and the timeline."""
+    for name, value in {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_CI_ENV": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }.items():
+        os.environ.setdefault(name, value)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    worker, options = KINDS[kind]
+    sampler = _Sampler()
+    llm, start_s = _timed(lambda: _engine(model, worker, options, kv_bytes))
+    sampler.mark("started")
+    prompts = [
+        TokensPrompt(prompt_token_ids=[(5 * i + j) % 500 + 1 for j in range(8)]) for i in range(8)
+    ]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, detokenize=False)
+    outputs, decode_s = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    sampler.mark("decoded")
+    figures: dict[str, Any] = {
+        "start_s": start_s,
+        "decode_tok_s": sum(len(o.outputs[0].token_ids) for o in outputs) / decode_s,
+        "rss_before": _resident_bytes() / MiB,
+    }
+    figures["sleep_s"] = _timed(lambda: llm.sleep(level=1))[1]
+    sampler.mark("asleep")
+    figures["rss_asleep"] = _resident_bytes() / MiB
+    figures["wake_s"] = _timed(llm.wake_up)[1]
+    sampler.mark("awake")
+    figures["rss_awake"] = _resident_bytes() / MiB
+
+    def restart() -> Any:
+        nonlocal llm
+        del llm
+        gc.collect()
+        return _engine(model, worker, options, kv_bytes)
+
+    llm, figures["restart_s"] = _timed(restart)
+    sampler.mark("restarted")
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    figures["timeline"] = sampler.stop()
+    return figures
+
+
+def _run_child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, "-m", "extensible_kv.bench.engine", model, kind, str(kv_bytes)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"the {kind} engine failed:\n{result.stderr[-4000:]}")
+    line = next(x for x in reversed(result.stdout.splitlines()) if x.startswith("FIGURES "))
+    figures: dict[str, Any] = json.loads(line.removeprefix("FIGURES "))
+    return figures
+
+
+def suite(
+    rounds: int, kv_bytes: int, progress: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    """Every kind, ``rounds`` times, in turn; or ``{"skipped": why}``."""
+    why = unavailable()
+    if why is not None:
+        return {"skipped": why}
+    from extensible_kv.demo.tiny_models import save_tiny_model
+
+    folder = Path(tempfile.gettempdir()) / "extensible-kv-tiny-llama"
+    model = str(save_tiny_model("llama", folder))
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    for round_ in range(rounds):
+        for kind in KINDS:
+            progress(f"round {round_ + 1}/{rounds}: {kind}")
+            runs[kind].append(_run_child(model, kind, kv_bytes))
+    stats = {
+        kind: {
+            key: {
+                "min": min(run[key] for run in kind_runs),
+                "median": statistics.median(run[key] for run in kind_runs),
+                "max": max(run[key] for run in kind_runs),
+            }
+            for key, _, _ in FIGURES
+        }
+        for kind, kind_runs in runs.items()
+    }
+    stock = stats["stock"]
+    ratios = {
+        kind: {
+            key: figures[key]["median"] / stock[key]["median"] if stock[key]["median"] else None
+            for key, _, _ in FIGURES
+        }
+        for kind, figures in stats.items()
+        if kind != "stock"
+    }
+    return {
+        "kv_bytes": kv_bytes,
+        "rounds": rounds,
+        "stats": stats,
+        "ratios": ratios,
+        "stock_sleep_frees": stock["rss_asleep"]["median"] < 0.99 * stock["rss_before"]["median"],
+        "timelines": {kind: kind_runs[-1].pop("timeline") for kind, kind_runs in runs.items()},
+        "runs": {
+            kind: [_without_timeline(run) for run in kind_runs] for kind, kind_runs in runs.items()
+        },
+    }
+
+
+def _without_timeline(run: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in run.items() if key != "timeline"}
+
+
+def rows(results: dict[str, Any]) -> list[list[str]]:
+    """The suite's table, header first: median [min-max] per kind, and
+    ours / stock (none for a sleep stock did not do)."""
+    stats, ratios = results["stats"], results["ratios"]
+    ours = [kind for kind in KINDS if kind != "stock"]
+    out = [["figure", *KINDS, *(f"{kind} / stock" for kind in ours)]]
+    for key, label, unit in FIGURES:
+        cells = [f"{label} ({unit})"]
+        for kind in KINDS:
+            s = stats[kind][key]
+            cells.append(f"{s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}]")
+        idle = key in ("sleep_s", "wake_s") and not results["stock_sleep_frees"]
+        for kind in ours:
+            ratio = ratios[kind][key]
+            cells.append("- (stock frees nothing)" if idle or ratio is None else f"{ratio:.2f}")
+        out.append(cells)
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """:func:`rows` as a Markdown table."""
+    head, *body = rows(results)
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
+
+
+def main() -> None:
+    model, kind, kv_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    print("FIGURES " + json.dumps(child(model, kind, kv_bytes)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
