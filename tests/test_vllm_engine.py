@@ -236,6 +236,42 @@ def test_memory_follows_the_load(models: dict[str, str]) -> None:
     assert report["tokens_after_woke"] == reference["tokens"]
 
 
+def test_without_a_size_the_cache_is_sized_from_what_warm_up_used(models: dict[str, str]) -> None:
+    """No kv_cache_memory_bytes: ours reserves, warms up over a small prefix,
+    measures everything else and commits what is left, in the same
+    reservation; stock measures its process after its own warm-up. Both
+    count this process, so the block counts agree closely."""
+    sized = {
+        "model": models["llama"],
+        "kv_bytes": None,
+        "gpu_memory_utilization": 0.1,
+        "steps": ["blocks"],
+    }
+    stock_run = run_engine({**sized, "worker": "stock"})
+    report = run_engine({**sized, "worker": "ours"})
+    assert report["tokens"] == stock_run["tokens"]
+    state, sizing = report["state_start"], report["state_start"]["sizing"]
+    assert sizing["warm_up_blocks"] >= 1
+    assert sizing["available_kv_bytes"] == sizing["budget_bytes"] - sizing["non_kv_bytes"]
+    assert 0 < sizing["non_kv_bytes"] < sizing["budget_bytes"]
+    assert state["num_blocks_committed"] == report["engine_blocks"]
+    assert state["committed_bytes"] <= sizing["available_kv_bytes"]
+    ours, theirs = report["engine_blocks"], stock_run["engine_blocks"]
+    assert abs(ours - theirs) <= 0.1 * theirs, (ours, theirs)
+
+
+def test_an_explicit_size_is_committed_exactly(models: dict[str, str]) -> None:
+    report = run_engine(
+        {"model": models["llama"], "worker": "ours", "kv_bytes": 96 << 20, "steps": ["blocks"]}
+    )
+    state = report["state_start"]
+    assert state["sizing"] is None
+    assert state["num_blocks_committed"] == report["engine_blocks"]
+    assert (96 << 20) - state["committed_bytes"] < state["committed_bytes"] // state[
+        "num_blocks_committed"
+    ]  # all of it, to the last whole block
+
+
 def test_a_discarding_sleep_is_refused_while_a_kv_connector_is_configured(
     models: dict[str, str], tmp_path: Path
 ) -> None:
@@ -349,6 +385,8 @@ def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:
         "asleep",
         "awake",
         "restarted",
+        "kept",
+        "rewoken",
     ]
     assert len(timeline["points"]) > 10
     assert saved["stats"]["ours"]["start_s"]["min"] <= saved["stats"]["ours"]["start_s"]["max"]
@@ -358,6 +396,8 @@ def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:
 
     table = vllm_table(saved)
     assert table is not None
-    assert table.row_count == 8
+    assert table.row_count == 11
+    assert saved["stats"]["stock"]["keep_sleep_s"] is None  # stock has no such call
+    assert saved["stats"]["ours"]["keep_sleep_s"]["median"] > 0
     pytest.importorskip("matplotlib")
     assert plot_vllm(saved, tmp_path / "vllm-memory.png").stat().st_size > 10_000

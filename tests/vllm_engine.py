@@ -6,8 +6,9 @@ Settings (JSON): ``model`` (a directory), ``worker`` ("ours" or "stock"),
 ``dtype``, ``multiprocessing`` (vLLM's default worker process, else engine
 and worker in this process), ``runner`` (None, "v1" or "v2"), ``steps``
 (sleep and wake sequences run after the first two generations, see STEPS),
-``additional_config``, ``load_rounds`` (rounds of new prompts in the
-"load" step), ``connector`` (a directory for vLLM's ExampleConnector)
+``kv_bytes`` (vLLM's ``kv_cache_memory_bytes``; null: no explicit
+size), ``gpu_memory_utilization``, ``additional_config``, ``load_rounds``
+(rounds of new prompts in the "load" step), ``connector`` (a directory for vLLM's ExampleConnector)
 and ``fallback`` (the driver probe answers "no VMM":
 a labelled mock of the one boundary a CPU machine cannot reach, in-process
 only). The last line printed is ``RESULT`` and a JSON report.
@@ -262,6 +263,9 @@ class Run:
         self.snapshot("woke")
         self.report["tokens_after_woke"], _ = generate(self.llm)
 
+    def step_blocks(self) -> None:
+        self.report["engine_blocks"] = self.rpc(engine_blocks)
+
     def step_trim_refused(self) -> None:
         try:
             self.rpc("trim_kv_cache")
@@ -277,6 +281,7 @@ class Run:
 
 
 STEPS = {
+    "blocks": Run.step_blocks,
     "load": Run.step_load,
     "trim": Run.step_trim,
     "slept": Run.step_slept,
@@ -326,6 +331,7 @@ def main() -> None:
             enable_prefix_caching=True,
             enable_chunked_prefill=True,
             kv_cache_memory_bytes=settings.get("kv_bytes", 64 << 20),
+            gpu_memory_utilization=settings.get("gpu_memory_utilization", 0.9),
             worker_cls=OURS if ours else "auto",
             additional_config=settings.get("additional_config", {}),
             kv_transfer_config=connector(settings.get("connector")),

@@ -6,10 +6,12 @@ vLLM, ours with static growth, and ours with memory that follows the load
 (``growth: "on_demand"``). Each measures its start (``LLM(...)``), decode
 tokens per second (8 sequences of 128 new tokens), ``llm.sleep(level=1)``
 and ``llm.wake_up()``, a restart (the engine dropped and a new ``LLM`` made:
-what vLLM's sleep mode is sold against), and its resident memory sampled
-every 20 ms over the whole run. Figures are min, median and max over the
-rounds; ratios are medians, ours over stock. Runs only where vLLM is
-installed.
+what vLLM's sleep mode is sold against), for ours the sleep that keeps the
+prefix cache (``sleep(level=0)`` and ``sleep_kv_cache(preserve=True)``,
+then ``wake_kv_cache`` and ``wake_up(tags=["scheduling"])``; stock has no
+such call), and its resident memory sampled every 20 ms over the whole
+run. Figures are min, median and max over the rounds; ratios are medians,
+ours over stock. Runs only where vLLM is installed.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ FIGURES = (
     ("sleep_s", "sleep(level=1)", "s"),
     ("wake_s", "wake_up()", "s"),
     ("restart_s", "restart: drop the engine, new LLM", "s"),
+    ("shutdown_s", "of which dropping the engine", "s"),
+    ("keep_sleep_s", "sleep keeping the prefix cache", "s"),
+    ("keep_wake_s", "wake with the prefix cache", "s"),
     ("rss_before", "resident before sleep", "MiB"),
     ("rss_asleep", "resident asleep", "MiB"),
     ("rss_awake", "resident after wake", "MiB"),
@@ -149,15 +154,27 @@ def child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
     sampler.mark("awake")
     figures["rss_awake"] = _resident_bytes() / MiB
 
-    def restart() -> Any:
+    def shut_down() -> None:
         nonlocal llm
         del llm
         gc.collect()
-        return _engine(model, worker, options, kv_bytes)
 
-    llm, figures["restart_s"] = _timed(restart)
+    figures["shutdown_s"] = _timed(shut_down)[1]
+    llm, figures["new_engine_s"] = _timed(lambda: _engine(model, worker, options, kv_bytes))
+    figures["restart_s"] = figures["shutdown_s"] + figures["new_engine_s"]
     sampler.mark("restarted")
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    figures["keep_sleep_s"] = figures["keep_wake_s"] = None
+    if worker == OURS:
+        llm.sleep(level=0)
+        rpc = llm.collective_rpc
+        _, figures["keep_sleep_s"] = _timed(
+            lambda: rpc("sleep_kv_cache", kwargs={"preserve": True})
+        )
+        sampler.mark("kept")
+        _, figures["keep_wake_s"] = _timed(lambda: rpc("wake_kv_cache"))
+        llm.wake_up(tags=["scheduling"])
+        sampler.mark("rewoken")
     figures["timeline"] = sampler.stop()
     return figures
 
@@ -193,22 +210,12 @@ def suite(
             progress(f"round {round_ + 1}/{rounds}: {kind}")
             runs[kind].append(_run_child(model, kind, kv_bytes))
     stats = {
-        kind: {
-            key: {
-                "min": min(run[key] for run in kind_runs),
-                "median": statistics.median(run[key] for run in kind_runs),
-                "max": max(run[key] for run in kind_runs),
-            }
-            for key, _, _ in FIGURES
-        }
+        kind: {key: _spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
         for kind, kind_runs in runs.items()
     }
     stock = stats["stock"]
     ratios = {
-        kind: {
-            key: figures[key]["median"] / stock[key]["median"] if stock[key]["median"] else None
-            for key, _, _ in FIGURES
-        }
+        kind: {key: _ratio(figures[key], stock[key]) for key, _, _ in FIGURES}
         for kind, figures in stats.items()
         if kind != "stock"
     }
@@ -217,12 +224,31 @@ def suite(
         "rounds": rounds,
         "stats": stats,
         "ratios": ratios,
-        "stock_sleep_frees": stock["rss_asleep"]["median"] < 0.99 * stock["rss_before"]["median"],
+        "stock_sleep_frees": _median(stock["rss_asleep"]) < 0.99 * _median(stock["rss_before"]),
         "timelines": {kind: kind_runs[-1].pop("timeline") for kind, kind_runs in runs.items()},
         "runs": {
             kind: [_without_timeline(run) for run in kind_runs] for kind, kind_runs in runs.items()
         },
     }
+
+
+def _spread(values: list[float | None]) -> dict[str, float] | None:
+    """min, median and max; None for a figure this kind does not have."""
+    if any(value is None for value in values):
+        return None
+    numbers = [float(value) for value in values if value is not None]
+    return {"min": min(numbers), "median": statistics.median(numbers), "max": max(numbers)}
+
+
+def _median(spread: dict[str, float] | None) -> float:
+    assert spread is not None, "a figure every kind reports"
+    return spread["median"]
+
+
+def _ratio(ours: dict[str, float] | None, stock: dict[str, float] | None) -> float | None:
+    if ours is None or stock is None or not stock["median"]:
+        return None
+    return ours["median"] / stock["median"]
 
 
 def _without_timeline(run: dict[str, Any]) -> dict[str, Any]:
@@ -239,13 +265,17 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
         cells = [f"{label} ({unit})"]
         for kind in KINDS:
             s = stats[kind][key]
-            cells.append(f"{s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}]")
+            cells.append("no such call" if s is None else _cell(s))
         idle = key in ("sleep_s", "wake_s") and not results["stock_sleep_frees"]
         for kind in ours:
             ratio = ratios[kind][key]
-            cells.append("- (stock frees nothing)" if idle or ratio is None else f"{ratio:.2f}")
+            cells.append("-" if idle or ratio is None else f"{ratio:.2f}")
         out.append(cells)
     return out
+
+
+def _cell(spread: dict[str, float]) -> str:
+    return f"{spread['median']:.4g} [{spread['min']:.4g}-{spread['max']:.4g}]"
 
 
 def markdown(results: dict[str, Any]) -> str:

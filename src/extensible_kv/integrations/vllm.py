@@ -78,6 +78,7 @@ STATE_KEYS = (
     "host_backup_bytes",
     "growth",
     "high_water_blocks",
+    "sizing",
 )
 
 #: The options ``additional_config["extensible_kv"]`` takes.
@@ -139,8 +140,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         self._kv: KVCache | None = None
         self._growth: OnDemandGrowth | None = None
         self._handover: _HandOver | None = None
+        #: The measurement that sized the cache (determine_available_memory),
+        #: and whether the reservation it made waits for vLLM's final count.
+        self._sizing: dict[str, int] | None = None
+        self._provisional = False
+        self._layout: Any = None
 
-    # -- allocation ---------------------------------------------------------------
+    # -- options ------------------------------------------------------------------
 
     def _options(self) -> dict[str, Any]:
         extra = self.vllm_config.additional_config or {}
@@ -182,9 +188,99 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             )
         return asked
 
+    # -- sizing from what warm-up used ---------------------------------------------
+
+    def determine_available_memory(self) -> int:
+        """Bytes vLLM may give the KV cache. With an explicit size
+        (``kv_cache_memory_bytes``, ``VLLM_CPU_KVCACHE_SPACE``) or a KV
+        connector, vLLM's own answer. Otherwise the seed's flow: reserve the
+        cache at its capacity, commit a small prefix, run vLLM's warm-up
+        over it, measure what everything besides the KV cache holds, and
+        answer the budget minus that. vLLM then sizes its block count from
+        the answer, and :meth:`initialize_from_config` commits it in the
+        same reservation."""
+        explicit = self.cache_config.kv_cache_memory_bytes is not None
+        if explicit or self._has_connector() or unavailable_reason(self.device) is not None:
+            return int(super().determine_available_memory())
+        self._reserve_provisional()
+        assert self._kv is not None
+        self._warm_up()
+        kv_bytes = self._kv.buffers.physical_bytes
+        budget, used = self._budget_and_used()
+        available = budget - (used - kv_bytes)
+        self._sizing = {
+            "budget_bytes": budget,
+            "non_kv_bytes": used - kv_bytes,
+            "available_kv_bytes": available,
+            "warm_up_blocks": self._kv.buffers.num_blocks_committed,
+        }
+        logger.info(
+            "extensible-kv: warm-up ran over %d KV blocks; everything else holds %d bytes, "
+            "so %d of the %d-byte budget go to the KV cache",
+            self._sizing["warm_up_blocks"],
+            used - kv_bytes,
+            available,
+            budget,
+        )
+        # vLLM's own way out of a KV cache made for profiling: the views go,
+        # the reservation stays for the final count.
+        self.model_runner._cleanup_profiling_kv_cache()
+        self._provisional = True
+        return available
+
+    def _reserve_provisional(self) -> None:
+        """Reserve at the capacity and commit the blocks warm-up needs:
+        one per sequence vLLM may batch, as vLLM's own profiling KV cache."""
+        from vllm.v1.core.kv_cache_utils import (
+            get_kv_cache_config_from_groups,
+            get_kv_cache_groups,
+        )
+
+        groups = get_kv_cache_groups(self.vllm_config, self.model_runner.get_kv_cache_spec())
+        saved = self.cache_config.num_gpu_blocks_override
+        self.cache_config.num_gpu_blocks_override = max(
+            1, self.vllm_config.scheduler_config.max_num_seqs
+        )
+        try:
+            provisional = get_kv_cache_config_from_groups(
+                self.vllm_config, groups, available_memory=0
+            )
+        finally:
+            self.cache_config.num_gpu_blocks_override = saved
+        self.initialize_from_config(provisional)
+
+    def _warm_up(self) -> None:
+        """vLLM's warm-up, over the committed prefix: a dummy forward of the
+        largest batch; on a GPU also compilation and CUDA-graph capture."""
+        if current_platform.is_cpu():
+            self.model_runner.warming_up_model()
+            return
+        self.model_runner.profile_run()
+        self.compile_or_warm_up_model()
+
+    def _budget_and_used(self) -> tuple[int, int]:
+        """The memory vLLM may use (``gpu_memory_utilization`` of the
+        device, or of the host's NUMA node) and what this worker uses now,
+        in bytes."""
+        if current_platform.is_cpu():
+            with open("/proc/self/statm") as statm:
+                resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return int(self.requested_cpu_memory), resident
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.cache_config.gpu_memory_utilization)
+        return budget, int(self.init_snapshot.free_memory) - int(free)
+
+    # -- allocation ----------------------------------------------------------------
+
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """Reserve the KV cache at its capacity, commit vLLM's block count,
-        and let vLLM build and bind its views over it."""
+        and let vLLM build and bind its views over it. After the measuring
+        warm-up (:meth:`determine_available_memory`) the reservation is the
+        one warm-up ran in: the final count is committed under the same
+        addresses."""
+        if self._provisional:
+            self._commit_final(kv_cache_config)
+            return
         if self._kv is not None:
             raise ValueError(
                 "this worker's KV cache is already reserved; extensible-kv makes one "
@@ -208,25 +304,12 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         self._check_connector_pool(runner_config)
         kv = allocate_kv_cache(layout, device=self.device, shareable=self._has_connector())
         try:
-            if self._on_demand():
-                # Memory follows the ids the scheduler hands out (execute_model).
-                self._growth = OnDemandGrowth(kv.buffers, num_blocks)
-                self._growth.start()
-            else:
-                kv.buffers.commit(num_blocks, defragment=self._has_connector())
-            self._kv, self._handover = kv, _HandOver(kv.backing[0])
-            super().initialize_from_config(runner_config)
-            if not self._handover.used:
-                raise RuntimeError(
-                    "vLLM allocated its KV cache outside the worker's allocation context; "
-                    "extensible-kv cannot place it"
-                )
+            self._kv, self._layout = kv, layout
+            self._commit_and_hand_over(runner_config)
         except BaseException:
             self._kv = self._growth = None
             kv.free()
             raise
-        finally:
-            self._handover = None
         if self._has_connector():
             kv.buffers.register_external(self._connector_name())
         logger.info(
@@ -235,6 +318,60 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             capacity,
             kv.buffers.reserved_bytes,
             num_blocks,
+        )
+
+    def _commit_and_hand_over(self, runner_config: Any) -> None:
+        """Commit vLLM's count (with on-demand growth, the first step) and
+        let vLLM build and bind its views over the reservation."""
+        assert self._kv is not None
+        buffers, num_blocks = self._kv.buffers, int(runner_config.num_blocks)
+        if self._on_demand():
+            # Memory follows the ids the scheduler hands out (execute_model).
+            self._growth = OnDemandGrowth(buffers, num_blocks)
+            self._growth.start()
+        else:
+            buffers.commit(num_blocks, defragment=self._has_connector())
+        self._handover = _HandOver(self._kv.backing[0])
+        try:
+            super().initialize_from_config(runner_config)
+            if not self._handover.used:
+                raise RuntimeError(
+                    "vLLM allocated its KV cache outside the worker's allocation context; "
+                    "extensible-kv cannot place it"
+                )
+        finally:
+            self._handover = None
+
+    def _commit_final(self, kv_cache_config: Any) -> None:
+        """vLLM's final count, in the reservation the measuring warm-up ran in."""
+        assert self._kv is not None
+        num_blocks = int(kv_cache_config.num_blocks)
+        capacity = self._kv.buffers.num_blocks_capacity
+        if num_blocks > capacity:
+            raise ValueError(
+                f"vLLM sized the KV cache to {num_blocks} blocks, past the {capacity} reserved; "
+                f"raise additional_config['extensible_kv']['num_blocks_capacity']"
+            )
+        layout = at_capacity(kv_cache_config, capacity)
+        # What places memory; the engine's settings (layout name, hash
+        # block size) reach the final config only.
+        differ = [
+            name
+            for name in ("kv_cache_tensors", "kv_cache_groups")
+            if getattr(layout, name) != getattr(self._layout, name)
+        ]
+        if differ:
+            raise RuntimeError(
+                f"vLLM's final KV cache layout differs from the one its warm-up ran over "
+                f"({', '.join(differ)}); extensible-kv cannot commit it in the same reservation"
+            )
+        self._provisional = False
+        # Warm-up wrote into its blocks; vLLM's cache starts as zeros.
+        self._kv.buffers.trim(0)
+        self._commit_and_hand_over(dataclasses.replace(layout, num_blocks=num_blocks))
+        logger.info(
+            "extensible-kv: %d blocks committed after warm-up, under the same addresses",
+            self._kv.buffers.num_blocks_committed,
         )
 
     def _maybe_get_memory_pool_context(self, tag: str) -> Any:
@@ -444,7 +581,10 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         ``base_ptrs`` (one address per backing buffer), ``asleep`` and
         ``host_backup_bytes`` (host memory holding a preserving sleep's
         copy), ``growth`` (``"static"`` or ``"on_demand"``) and
-        ``high_water_blocks`` (the most blocks committed at once); and
+        ``high_water_blocks`` (the most blocks committed at once),
+        ``sizing`` (None with an explicit KV size; else what warm-up
+        measured: ``budget_bytes``, ``non_kv_bytes``, ``available_kv_bytes``,
+        ``warm_up_blocks``); and
         ``enabled``, False where the worker fell back to vLLM's allocation
         (every figure then 0).
         """
@@ -455,6 +595,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
                 "base_ptrs": [],
                 "asleep": False,
                 "growth": "static",
+                "sizing": None,
                 "enabled": False,
             }
         buffers = self._kv.buffers
@@ -471,6 +612,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             "high_water_blocks": (
                 buffers.num_blocks_committed if self._growth is None else self._growth.high_water
             ),
+            "sizing": self._sizing,
             "enabled": True,
         }
 
