@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from extensible_kv import StatisticsDriver
-from extensible_kv.kv import KVCacheBuffers
-from extensible_kv.kv.growth import OnDemandGrowth
+from extensible_kv.kv import KVCacheBuffers, OnDemandGrowth
 from test_kv_buffers import CAPACITY, block, make_cache
 
 

@@ -51,8 +51,7 @@ from torch.overrides import TorchFunctionMode
 from extensible_kv import unavailable_reason
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
-from extensible_kv.kv import KVCache, allocate_kv_cache, at_capacity
-from extensible_kv.kv.growth import OnDemandGrowth
+from extensible_kv.kv import KVCache, OnDemandGrowth, allocate_kv_cache, at_capacity
 from extensible_kv.kv.strided import segmentation
 
 check_vllm_version(installed_vllm())

@@ -15,6 +15,7 @@ from extensible_kv.kv.buffers import (
     KVCacheBuffers,
 )
 from extensible_kv.kv.builder import ExtensibleKVCacheBuilder
+from extensible_kv.kv.growth import OnDemandGrowth
 from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
 from extensible_kv.kv.ranks import agree_num_blocks
 from extensible_kv.kv.runner import (
@@ -67,6 +68,7 @@ __all__ = [
     "LayerPlacement",
     "MambaSpec",
     "MemorySnapshot",
+    "OnDemandGrowth",
     "StridedKVCacheTensor",
     "WarmupMeter",
     "agree_num_blocks",
