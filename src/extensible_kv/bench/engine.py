@@ -69,8 +69,10 @@ def unavailable() -> str | None:
 
 
 def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """This process's resident memory (psutil comes with vLLM)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 class _Sampler:

@@ -32,9 +32,9 @@ Options go in ``LLM(..., additional_config={"extensible_kv": {...}})``:
 many as the device's total memory holds) and ``growth`` (``"static"``:
 commit vLLM's block count at start; ``"on_demand"``: commit blocks as the
 scheduler hands their ids out, before the step that uses them, and
-``collective_rpc("trim_kv_cache")`` gives memory back when idle). Without virtual memory management
-on the device, the worker falls back to vLLM's own allocation with one
-warning.
+``collective_rpc("trim_kv_cache")`` gives memory back when idle). Without
+virtual memory management on the device, the worker falls back to vLLM's
+own allocation with one warning.
 """
 
 from __future__ import annotations
@@ -204,20 +204,21 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         self._reserve_provisional()
         assert self._kv is not None
         self._warm_up()
-        kv_bytes = self._kv.buffers.physical_bytes
         budget, used = self._budget_and_used()
-        available = budget - (used - kv_bytes)
+        non_kv = used - self._kv.buffers.physical_bytes
+        available = budget - non_kv
+        warm_up_blocks = self._kv.buffers.num_blocks_committed
         self._sizing = {
             "budget_bytes": budget,
-            "non_kv_bytes": used - kv_bytes,
+            "non_kv_bytes": non_kv,
             "available_kv_bytes": available,
-            "warm_up_blocks": self._kv.buffers.num_blocks_committed,
+            "warm_up_blocks": warm_up_blocks,
         }
         logger.info(
             "extensible-kv: warm-up ran over %d KV blocks; everything else holds %d bytes, "
             "so %d of the %d-byte budget go to the KV cache",
-            self._sizing["warm_up_blocks"],
-            used - kv_bytes,
+            warm_up_blocks,
+            non_kv,
             available,
             budget,
         )
@@ -262,9 +263,10 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         device, or of the host's NUMA node) and what this worker uses now,
         in bytes."""
         if current_platform.is_cpu():
-            with open("/proc/self/statm") as statm:
-                resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            return int(self.requested_cpu_memory), resident
+            # What vLLM's CPU worker measures too (psutil is vLLM's dependency).
+            import psutil
+
+            return int(self.requested_cpu_memory), int(psutil.Process().memory_info().rss)
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * self.cache_config.gpu_memory_utilization)
         return budget, int(self.init_snapshot.free_memory) - int(free)
