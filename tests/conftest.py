@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Every process of the suite, children included, publishes into a directory of
+# its own, so no run sees another's budget (tests of the budget make their own).
+os.environ.setdefault("EXTENSIBLE_KV_STATE_DIR", tempfile.mkdtemp(prefix="extensible-kv-tests-"))
 
 from extensible_kv import StatisticsDriver, get_driver, unavailable_reason
 from extensible_kv.driver import Driver

@@ -13,6 +13,7 @@ import torch
 
 from child import run_python
 from extensible_kv import ExtensibleTensor, get_driver, unavailable_reason
+from extensible_kv.driver import backend
 
 REASON = unavailable_reason("cuda")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no usable GPU backend: {REASON}")
@@ -99,7 +100,7 @@ def test_release_returns_memory_to_the_device() -> None:
 
 
 def test_shareable_memory_is_seen_by_another_process() -> None:
-    driver = get_driver("cuda:0")
+    driver = backend("cuda:0")
     capabilities = getattr(driver, "capabilities", None)
     if capabilities is None or not capabilities(0)[0]:
         pytest.skip("this device does not export POSIX file descriptors")

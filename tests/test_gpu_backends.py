@@ -408,7 +408,7 @@ def test_selection_hands_out_the_probed_driver(
         "extensible_kv.driver.cuda.load_bindings", lambda: SimCuda(cuda_bindings, SimMachine())
     )
     assert select.unavailable_reason("cuda:0") is None
-    assert isinstance(select.get_driver("cuda:0"), CudaDriver)
+    assert isinstance(select.get_driver("cuda:0").inner, CudaDriver)
     assert select.get_driver(0) is select.get_driver("cuda")
 
 
@@ -543,7 +543,7 @@ def test_rocm_torch_selects_hip(
         "extensible_kv.driver.hip.load_bindings", lambda: SimHip(hip_module, SimMachine())
     )
     assert select.unavailable_reason("cuda") is None
-    driver = select.get_driver("cuda:0")
+    driver = select.backend("cuda:0")
     assert isinstance(driver, HipDriver)
     assert driver.dlpack_device_type == 10
 

@@ -10,8 +10,10 @@ import torch
 import extensible_kv
 from extensible_kv.driver import (
     BackendUnavailableError,
+    BudgetDriver,
     DeviceSpec,
     HostDriver,
+    backend,
     get_driver,
     parse_device,
     unavailable_reason,
@@ -53,8 +55,11 @@ def test_unreadable_devices_are_refused(device: object, message: str) -> None:
 
 
 def test_cpu_gets_the_shared_host_driver() -> None:
-    assert isinstance(get_driver("cpu"), HostDriver)
-    assert get_driver("cpu") is get_driver(torch.device("cpu"))
+    driver = get_driver("cpu")
+    assert isinstance(driver, BudgetDriver)
+    assert isinstance(driver.inner, HostDriver)
+    assert driver is get_driver(torch.device("cpu"))
+    assert backend("cpu") is driver.inner
     assert unavailable_reason("cpu") is None
 
 

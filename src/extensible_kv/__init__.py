@@ -11,6 +11,8 @@ from extensible_kv.buffer import Chunk, VirtualBuffer
 from extensible_kv.dlpack import ByteView, uint8_tensor_from_ptr
 from extensible_kv.driver import (
     BackendUnavailableError,
+    BudgetDriver,
+    BudgetExceededError,
     Driver,
     DriverError,
     FaultInjectingDriver,
@@ -20,6 +22,7 @@ from extensible_kv.driver import (
     StatisticsDriver,
     get_driver,
     unavailable_reason,
+    waiting_for_budget,
 )
 from extensible_kv.driver.select import parse_device
 from extensible_kv.kv import (
@@ -51,6 +54,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "BudgetDriver",
+    "BudgetExceededError",
     "ByteView",
     "Chunk",
     "Driver",
@@ -71,4 +76,5 @@ __all__ = [
     "uint8_tensor_from_ptr",
     "unavailable_reason",
     "vmm_unavailable_reason",
+    "waiting_for_budget",
 ]

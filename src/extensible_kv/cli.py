@@ -1,9 +1,11 @@
 """The extensible-kv command: what this machine can do (probe), the runner
-flow on a tiny model (demo), and the benchmarks (bench)."""
+flow on a tiny model (demo), the benchmarks (bench), and the budget shared
+by every process (limit, top)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -17,15 +19,19 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from extensible_kv.budget import StateDirError, format_bytes, parse_size, snapshot, state_dir
 from extensible_kv.demo import FlowReport, FlowSettings, ModelConfig, run_flow, run_ranks
 from extensible_kv.driver import (
     BackendUnavailableError,
     DriverError,
+    backend,
     get_driver,
     parse_device,
     unavailable_reason,
 )
 from extensible_kv.driver.select import is_rocm
+from extensible_kv.limits import named_device, set_device_limit, total_bytes
+from extensible_kv.top import live, render
 
 MiB = 1 << 20
 # Wide enough that no table cuts a name when the output is not a terminal
@@ -39,6 +45,8 @@ Growable, sleepable KV caches on GPU virtual memory (and Linux host memory).
   demo    the runner flow on a tiny paged-attention model: reserve, warm up,
           size, generate, sleep, wake, generate again, checked token by token
   bench   the benchmarks, each a ratio to a baseline timed in the same run
+  limit   show or set the memory every process may claim on a device together
+  top     every process's caches and claims, per device, live
 """
 
 
@@ -68,14 +76,14 @@ def _probe_rows() -> list[dict[str, str]]:
                 "need torch for ROCm and pip install 'extensible-kv[rocm]'",
             }
         )
-    backend = "HIP (hip-python)" if is_rocm() else "CUDA (cuda-bindings)"
+    gpu_backend = "HIP (hip-python)" if is_rocm() else "CUDA (cuda-bindings)"
     reason = unavailable_reason("cuda:0")
     if reason is not None:
-        rows.append({"device": "cuda", "backend": backend, "usable": "no", "notes": reason})
+        rows.append({"device": "cuda", "backend": gpu_backend, "usable": "no", "notes": reason})
         return rows
-    gpu: Any = get_driver("cuda:0")
+    gpu: Any = backend("cuda:0")
     for index in range(gpu.device_count()):
-        row = {"device": f"cuda:{index}", "backend": backend}
+        row = {"device": f"cuda:{index}", "backend": gpu_backend}
         reason = unavailable_reason(f"cuda:{index}")
         if reason is None:
             posix_fd, rdma = (
@@ -331,6 +339,81 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _local_names() -> dict[str, str]:
+    """Device UUID -> the name this process knows it by (cpu, cuda:N)."""
+    names = {}
+    if unavailable_reason("cpu") is None:
+        names[get_driver("cpu").device_uuid(0)] = "cpu"
+    if unavailable_reason("cuda") is None:
+        gpu = get_driver("cuda")
+        for index in range(gpu.device_count()):
+            names[gpu.device_uuid(index)] = f"cuda:{index}"
+    return names
+
+
+def limit(args: argparse.Namespace) -> int:
+    if args.device is None:
+        return _show_limits(args)
+    if args.size is None:
+        args.parser.error("give a SIZE (64MiB, 8GiB, 50%) or off")
+    try:
+        named = named_device(args.device)
+    except (ValueError, BackendUnavailableError) as exc:
+        args.parser.error(f"argument DEVICE: {exc}")
+    try:
+        size = None if args.size == "off" else parse_size(args.size, total_bytes(named))
+    except ValueError as exc:
+        args.parser.error(f"argument SIZE: {exc}")
+    written = set_device_limit(named.uuid, size, expect_revision=args.revision)
+    text = "no limit" if written.bytes is None else f"limit {format_bytes(written.bytes)}"
+    console.print(f"{named.name} ({named.uuid}): {text}, revision {written.revision}")
+    return 0
+
+
+def _show_limits(args: argparse.Namespace) -> int:
+    state = snapshot(state_dir())
+    if args.json:
+        rows = [
+            {
+                key: device[key]
+                for key in ("device", "type", "limit_bytes", "revision", "claimed_bytes")
+            }
+            for device in state["devices"]
+        ]
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not state["devices"]:
+        console.print(f"no device has a limit or a claim (state in {state['state_dir']})")
+        return 0
+    names = _local_names()
+    table = Table(title=f"limits (state in {state['state_dir']})", title_justify="left")
+    for column in ("device", "uuid", "limit", "claimed", "revision"):
+        table.add_column(column, justify="right" if column in ("limit", "claimed") else "left")
+    for device in state["devices"]:
+        table.add_row(
+            names.get(device["device"], device["type"]),
+            device["device"],
+            "none" if device["limit_bytes"] is None else format_bytes(device["limit_bytes"]),
+            format_bytes(device["claimed_bytes"]),
+            str(device["revision"]),
+        )
+    console.print(table)
+    return 0
+
+
+def top(args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps(snapshot(state_dir()), indent=2))
+        return 0
+    names = _local_names()
+    if args.once:
+        console.print(render(snapshot(state_dir()), names))
+        return 0
+    with contextlib.suppress(KeyboardInterrupt):
+        live(console, names)
+    return 0
+
+
 def _best_device() -> torch.device:
     if unavailable_reason("cuda") is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -448,6 +531,36 @@ def _parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG"
     )
     b.set_defaults(run=bench)
+    lim = commands.add_parser(
+        "limit",
+        help="show or set a device's memory limit, shared by every process",
+        description="Limit the memory every process of this user may claim on a device "
+        "together; with no argument, show the limits. A limit below what is claimed "
+        "refuses new claims until enough is given back.",
+        formatter_class=_Formatter,
+    )
+    lim.add_argument("device", nargs="?", metavar="DEVICE", help="cpu, cuda:N or a device UUID")
+    lim.add_argument(
+        "size", nargs="?", metavar="SIZE", help="64MiB, 8GiB, 1.5GB, 50%% of the device, or off"
+    )
+    lim.add_argument(
+        "--revision",
+        type=lambda text: _whole(text, 0),
+        default=None,
+        help="set only if the limit is still at this revision (as shown), else fail",
+    )
+    lim.add_argument("--json", action="store_true", help="show the limits as JSON")
+    lim.set_defaults(run=limit, parser=lim)
+    t = commands.add_parser(
+        "top",
+        help="every process's caches and claims, per device, live (q quits)",
+        formatter_class=_Formatter,
+    )
+    t.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    t.add_argument(
+        "--json", action="store_true", help="print one snapshot as JSON (schema_version 1)"
+    )
+    t.set_defaults(run=top)
     return parser
 
 
@@ -456,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
-    except (BackendUnavailableError, DriverError, ValueError) as exc:
+    except (BackendUnavailableError, DriverError, StateDirError, ValueError) as exc:
         # The library's errors name the rule broken: one line, no traceback.
         parser.exit(1, f"extensible-kv {args.command}: error: {exc}\n")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from extensible_kv._checks import check_bool, check_bytes, check_int
+from extensible_kv.budget.publish import register_cache
 from extensible_kv.buffer import (
     Remap,
     Staging,
@@ -31,6 +33,7 @@ from extensible_kv.buffer import (
 )
 from extensible_kv.dlpack import ByteView, as_tensor
 from extensible_kv.driver import Driver, device_with_uuid, get_driver, parse_device
+from extensible_kv.driver.budgeted import find_budget
 from extensible_kv.driver.pool import Kind, PoolingDriver, fill_pools_in_background, find_pool
 from extensible_kv.intervals import IntervalSet
 
@@ -214,6 +217,9 @@ class ExtensibleTensor:
         )
         self._bytes_per_segment = 0
         self._full: torch.Tensor | None = None
+        #: The KV cache this tensor is part of, which then publishes for it.
+        self._cache: weakref.ref[Any] | None = None
+        register_cache(self, _published)
 
     def __repr__(self) -> str:
         return (
@@ -628,6 +634,30 @@ class ExtensibleTensor:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (self._buffer.driver.dlpack_device_type, self._buffer.device)
+
+
+def budget_device(tensor: ExtensibleTensor) -> str | None:
+    """The UUID of the device whose budget ``tensor`` claims from, once it
+    has claimed; None if its driver has no budget (calls no driver)."""
+    budget = find_budget(tensor.buffer.driver)
+    return None if budget is None else budget.known_uuid(tensor.buffer.device)
+
+
+def _published(tensor: ExtensibleTensor) -> dict[str, Any] | None:
+    """What ``extensible-kv top`` shows of a tensor that no KV cache owns."""
+    owner = tensor._cache
+    uuid = budget_device(tensor)
+    if uuid is None or tensor.buffer.freed or (owner is not None and owner() is not None):
+        return None
+    return {
+        "kind": "ExtensibleTensor",
+        "device": str(tensor.device),
+        "device_uuid": uuid,
+        "reserved_bytes": tensor.capacity_bytes,
+        "committed_bytes": tensor.num_bytes,
+        "physical_bytes": tensor.physical_bytes,
+        "asleep": None,
+    }
 
 
 def resize_per_segment_all(

@@ -11,12 +11,19 @@ from extensible_kv.driver.adaptors import (
     LiveUsage,
     StatisticsDriver,
 )
-from extensible_kv.driver.errors import BackendUnavailableError, DriverError, OutOfMemoryError
+from extensible_kv.driver.budgeted import BudgetDriver, waiting_for_budget
+from extensible_kv.driver.errors import (
+    BackendUnavailableError,
+    BudgetExceededError,
+    DriverError,
+    OutOfMemoryError,
+)
 from extensible_kv.driver.host import HostDriver
 from extensible_kv.driver.pool import PoolingDriver, drain_pools
 from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
 from extensible_kv.driver.select import (
     DeviceSpec,
+    backend,
     device_with_uuid,
     get_driver,
     parse_device,
@@ -26,6 +33,8 @@ from extensible_kv.driver.select import (
 __all__ = [
     "DRIVER_CALLS",
     "BackendUnavailableError",
+    "BudgetDriver",
+    "BudgetExceededError",
     "CallStats",
     "DeviceSpec",
     "Driver",
@@ -37,9 +46,11 @@ __all__ = [
     "OutOfMemoryError",
     "PoolingDriver",
     "StatisticsDriver",
+    "backend",
     "device_with_uuid",
     "drain_pools",
     "get_driver",
     "parse_device",
     "unavailable_reason",
+    "waiting_for_budget",
 ]

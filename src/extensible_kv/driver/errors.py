@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+from typing import Any
+
 import torch
 
 
@@ -35,3 +38,36 @@ class OutOfMemoryError(DriverError, torch.OutOfMemoryError):
 
 class BackendUnavailableError(RuntimeError):
     """No virtual memory backend can serve the device; the text says why."""
+
+
+class BudgetExceededError(OutOfMemoryError):
+    """A claim would take a device past the limit every process shares
+    (``extensible-kv limit``); the driver was not called.
+
+    Attributes:
+        device: the device's UUID, as every process names it.
+        limit_bytes: the device's limit.
+        asked_bytes: what this claim asked for.
+        holders: ``(pid, claimed_bytes, command_line)`` of each live process
+            holding a claim on the device, this one included.
+    """
+
+    def __init__(
+        self,
+        device: str,
+        limit_bytes: int,
+        asked_bytes: int,
+        holders: tuple[tuple[int, int, str], ...],
+        detail: str,
+    ) -> None:
+        super().__init__("create", errno.ENOMEM, "BUDGET_EXCEEDED", detail)
+        self.device = device
+        self.limit_bytes = limit_bytes
+        self.asked_bytes = asked_bytes
+        self.holders = holders
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.device, self.limit_bytes, self.asked_bytes, self.holders, self.message),
+        )

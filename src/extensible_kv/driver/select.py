@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv.driver._gpu import GpuDriver
+from extensible_kv.driver.budgeted import BudgetDriver
 from extensible_kv.driver.errors import BackendUnavailableError, DriverError
 from extensible_kv.driver.host import HostDriver
 from extensible_kv.driver.protocol import Driver
@@ -117,8 +118,18 @@ def _initialize_torch() -> None:
 
 
 def get_driver(device: object) -> Driver:
-    """The shared driver for ``device``'s type; raises
+    """The shared driver for ``device``'s type: its backend under a
+    :class:`~extensible_kv.driver.BudgetDriver`, so that every process's
+    commits count against the device's shared limit (``extensible-kv
+    limit``) and show in ``extensible-kv top``. Raises
     :class:`BackendUnavailableError` saying why when there is none."""
+    return _with_budget(backend(device))
+
+
+def backend(device: object) -> Driver:
+    """The backend serving ``device``'s type itself, with no adaptor above
+    it (its own extras, such as ``CudaDriver.capabilities``, are there);
+    raises :class:`BackendUnavailableError` saying why when there is none."""
     spec = parse_device(device)
     reason = unavailable_reason(spec)
     if reason is not None:
@@ -126,6 +137,20 @@ def get_driver(device: object) -> Driver:
     if spec.type == "cpu":
         return _host_driver()
     return _gpu_driver()
+
+
+_budgets_lock = threading.Lock()
+#: The budget adaptor over each backend, by the backend's id (backends live
+#: as long as the process).
+_budgets: dict[int, BudgetDriver] = {}
+
+
+def _with_budget(backend: Driver) -> BudgetDriver:
+    with _budgets_lock:
+        found = _budgets.get(id(backend))
+        if found is None or found.inner is not backend:
+            found = _budgets[id(backend)] = BudgetDriver(backend)
+        return found
 
 
 def unavailable_reason(device: object = "cuda") -> str | None:

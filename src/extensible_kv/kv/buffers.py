@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,11 +14,13 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from extensible_kv._checks import check_bool, check_int
+from extensible_kv.budget.publish import register_cache
 from extensible_kv.buffer import synchronize_buffers
 from extensible_kv.driver.pool import fill_pools_in_background
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
+    budget_device,
     defragment_all,
     in_one_chunk_per_segment,
     release_physical_all,
@@ -59,6 +62,27 @@ def _pairs(items: Sequence[Any]) -> list[tuple[ExtensibleTensor, int]]:
             )
         pairs.append((item[0], item[1]))
     return pairs
+
+
+def _published(cache: KVCacheBuffers) -> dict[str, Any] | None:
+    """What ``extensible-kv top`` shows of a KV cache."""
+    if cache._freed or not cache.buffers:
+        return None
+    first = cache.buffers[0][0]
+    uuid = budget_device(first)
+    if uuid is None:
+        return None
+    return {
+        "kind": "KVCacheBuffers",
+        "device": str(first.device),
+        "device_uuid": uuid,
+        "reserved_bytes": cache.reserved_bytes,
+        "committed_bytes": cache.committed_bytes,
+        "physical_bytes": cache.physical_bytes,
+        "asleep": cache.released,
+        "blocks": cache.num_blocks_committed,
+        "capacity_blocks": cache.num_blocks_capacity,
+    }
 
 
 class ConnectorRegistrationWarning(UserWarning):
@@ -127,6 +151,8 @@ class KVCacheBuffers:
         for buffer, bytes_per_block in _pairs(buffers):
             self._check_buffer(buffer, bytes_per_block)
             self.buffers.append((buffer, bytes_per_block))
+            buffer._cache = weakref.ref(self)
+        register_cache(self, _published)
 
     def __repr__(self) -> str:
         state = f"released from {self._asleep_at}" if self.released else "awake"
@@ -296,6 +322,8 @@ class KVCacheBuffers:
             [(buffer, self._committed * per_block) for buffer, per_block in items], zero_new=True
         )
         self.buffers.extend(items)
+        for buffer, _ in items:
+            buffer._cache = weakref.ref(self)
         self._apply_wait_streams()
 
     def wait_for_streams(self, streams: Iterable[Any] | None) -> None:

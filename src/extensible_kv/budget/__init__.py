@@ -1,0 +1,27 @@
+"""A memory budget per device, shared by every process of the user: the
+state directory, each device's ledger (limit and claims), which processes
+live, and what each publishes for ``extensible-kv top``.
+
+:class:`~extensible_kv.driver.BudgetDriver` claims through it; the
+``extensible-kv limit`` and ``top`` commands read and write it. Nothing here
+calls a driver.
+"""
+
+from extensible_kv.budget.ledger import Ledger, LedgerView, Limit, StaleRevisionError
+from extensible_kv.budget.sizes import format_bytes, parse_size
+from extensible_kv.budget.snapshot import SCHEMA_VERSION, snapshot
+from extensible_kv.budget.state_dir import STATE_DIR_ENV, StateDirError, state_dir
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "STATE_DIR_ENV",
+    "Ledger",
+    "LedgerView",
+    "Limit",
+    "StaleRevisionError",
+    "StateDirError",
+    "format_bytes",
+    "parse_size",
+    "snapshot",
+    "state_dir",
+]

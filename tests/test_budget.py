@@ -1,0 +1,347 @@
+"""The per-device budget within one process: claims follow every operation,
+a refused commit changes nothing, limits are revisioned, and bad input or a
+corrupt state directory gives a clean error. The processes' side is in
+test_budget_processes.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from extensible_kv import (
+    BudgetDriver,
+    BudgetExceededError,
+    ExtensibleTensor,
+    KVCacheBuffers,
+    OutOfMemoryError,
+    PoolingDriver,
+    waiting_for_budget,
+)
+from extensible_kv.budget import (
+    Ledger,
+    StaleRevisionError,
+    StateDirError,
+    format_bytes,
+    parse_size,
+    snapshot,
+)
+from extensible_kv.budget.publish import publisher
+from extensible_kv.cli import main
+from extensible_kv.driver import backend
+
+MiB = 1 << 20
+GRANULE = 2 * MiB
+BLOCK = 256 * 1024  # 8 blocks per granule
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EXTENSIBLE_KV_STATE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def budget(state: Path) -> BudgetDriver:
+    return BudgetDriver(backend("cpu"), state_dir=state)
+
+
+def _cache(driver: object, blocks: int = 64) -> KVCacheBuffers:
+    """Two K/V-split layers of ``blocks`` blocks of BLOCK bytes per segment."""
+    tensors = [
+        ExtensibleTensor(blocks * BLOCK * 2, "cpu", num_segments=2, driver=driver)  # type: ignore[arg-type]
+        for _ in range(2)
+    ]
+    return KVCacheBuffers([(t, BLOCK) for t in tensors], blocks)
+
+
+def test_claims_follow_commit_trim_sleep_wake_and_free(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    cache = _cache(budget)
+    for step in (
+        lambda: cache.commit(20),
+        lambda: cache.trim(9),
+        lambda: cache.release_physical(),
+        lambda: cache.recommit(),
+        lambda: cache.commit(33),
+        lambda: cache.release_physical(preserve=True),
+        lambda: cache.recommit(),
+    ):
+        step()
+        assert ledger.held == cache.physical_bytes
+    # The preserving sleep's host backup is a cpu tensor on the shared driver,
+    # not this one: only the cache's own memory is claimed here.
+    assert cache.physical_bytes == 4 * 5 * GRANULE  # 33 blocks: 5 granules per segment
+    cache.free()
+    assert ledger.held == 0
+
+
+def test_memory_a_pool_keeps_stays_claimed(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    pool = PoolingDriver(budget)
+    tensor = ExtensibleTensor(64 * MiB, "cpu", driver=pool, chunk_bytes=GRANULE)
+    tensor.resize_(16 * MiB)
+    tensor.shrink_per_segment_(4 * MiB)
+    assert pool.idle_bytes == 12 * MiB
+    assert ledger.held == tensor.physical_bytes + pool.idle_bytes == 16 * MiB
+    tensor.resize_(10 * MiB)  # taken from the pool: nothing more claimed
+    assert ledger.held == 16 * MiB
+    tensor.release_physical()  # a full release drains the pool
+    assert pool.idle_bytes == 0
+    assert ledger.held == 0
+    tensor.free()
+
+
+def test_a_refused_commit_leaves_the_cache_as_it_was(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    cache = _cache(budget)
+    cache.commit(8)  # one granule per segment: 8 MiB in all
+    views = [t.segment(s) for t, _ in cache.buffers for s in range(2)]
+    for index, view in enumerate(views):
+        view[: 8 * BLOCK].fill_(index + 1)
+    ledger.set_limit(12 * MiB)
+    before = (cache.num_blocks_committed, cache.physical_bytes, ledger.held, cache.base_ptrs)
+    with pytest.raises(BudgetExceededError) as refused:
+        cache.commit(24)  # would need 24 MiB
+    assert before == (
+        cache.num_blocks_committed,
+        cache.physical_bytes,
+        ledger.held,
+        cache.base_ptrs,
+    )
+    for index, view in enumerate(views):
+        assert bool((view[: 8 * BLOCK] == index + 1).all())
+    error = refused.value
+    assert isinstance(error, OutOfMemoryError)
+    assert isinstance(error, torch.OutOfMemoryError)
+    assert error.limit_bytes == 12 * MiB
+    # Each segment's new run is one 4 MiB chunk: the first fit (12 MiB claimed,
+    # rolled back since), the second was refused before any driver call.
+    assert error.asked_bytes == 4 * MiB
+    assert [(pid, claimed) for pid, claimed, _ in error.holders] == [(os.getpid(), 12 * MiB)]
+    assert "12.0 MiB" in str(error)
+    assert f"pid {os.getpid()}" in str(error)
+    copy = pickle.loads(pickle.dumps(error))  # engines send errors between processes
+    assert (type(copy), copy.holders, str(copy)) == (BudgetExceededError, error.holders, str(error))
+    ledger.set_limit(None)
+    cache.commit(24)
+    assert ledger.held == cache.physical_bytes == 24 * MiB
+    cache.free()
+
+
+def test_a_limit_below_the_claims_refuses_only_new_claims(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    tensor = ExtensibleTensor(64 * MiB, "cpu", driver=budget, chunk_bytes=GRANULE)
+    tensor.resize_(8 * MiB)
+    ledger.set_limit(4 * MiB)
+    with pytest.raises(BudgetExceededError):
+        tensor.resize_(10 * MiB)
+    tensor.shrink_per_segment_(2 * MiB)
+    tensor.resize_(4 * MiB)
+    assert ledger.held == 4 * MiB
+    tensor.free()
+
+
+def test_waiting_for_budget_waits_until_the_timeout(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    ledger.set_limit(2 * MiB)
+    tensor = ExtensibleTensor(64 * MiB, "cpu", driver=budget)
+    with waiting_for_budget(0.2), pytest.raises(BudgetExceededError):
+        tensor.resize_(4 * MiB)
+    assert ledger.held == 0
+    with pytest.raises(ValueError, match="non-negative"):
+        waiting_for_budget(-1).__enter__()
+    tensor.free()
+
+
+def test_stale_revisions_are_refused(state: Path) -> None:
+    ledger = Ledger(state, "host-test")
+    first = ledger.limit()
+    assert (first.bytes, first.revision) == (None, 0)
+    second = ledger.set_limit(64 * MiB, expect_revision=0)
+    assert (second.bytes, second.revision) == (64 * MiB, 1)
+    with pytest.raises(StaleRevisionError, match="revision 1, not 0"):
+        ledger.set_limit(8 * MiB, expect_revision=0)
+    assert ledger.limit() == second
+    assert ledger.set_limit(None).revision == 2
+    ledger.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "total", "expected"),
+    [
+        ("64MiB", None, 64 * MiB),
+        ("8GiB", None, 8 << 30),
+        ("1.5 GB", None, 1_500_000_000),
+        ("4096", None, 4096),
+        ("50%", 10 * MiB, 5 * MiB),
+        ("12.5 %", 800, 100),
+        ("3kib", None, 3072),
+    ],
+)
+def test_sizes_are_read_as_written(text: str, total: int | None, expected: int) -> None:
+    assert parse_size(text, total) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("12XB", "cannot read the size"),
+        ("-3MiB", "cannot read the size"),
+        ("0", "at least 1 byte"),
+        ("0%", "above 0 and at most 100"),
+        ("101%", "above 0 and at most 100"),
+        ("", "cannot read the size"),
+    ],
+)
+def test_bad_sizes_say_what_is_accepted(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_size(text, 1 << 30)
+
+
+def test_a_limit_must_be_positive(state: Path) -> None:
+    ledger = Ledger(state, "host-test")
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        ledger.set_limit(0)
+    assert ledger.limit().revision == 0
+    ledger.close()
+
+
+def test_bytes_print_in_binary_units() -> None:
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536 * MiB, 5 << 40)] == [
+        "0 B",
+        "1023 B",
+        "1.00 KiB",
+        "1.50 GiB",
+        "5.00 TiB",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["limit", "cpu", "12XB"], "argument SIZE: cannot read the size '12XB'"),
+        (["limit", "cpu", "150%"], "argument SIZE: a percentage must be above 0"),
+        (["limit", "gpu0", "1GiB"], "argument DEVICE: cannot read device 'gpu0'"),
+        (["limit", "cpu"], "give a SIZE"),
+        (["limit", "cpu", "1GiB", "--revision", "x"], "argument --revision"),
+    ],
+)
+def test_the_limit_command_refuses_bad_input_in_one_line(
+    state: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: extensible-kv limit")
+    assert message in err.splitlines()[-1]
+    assert list(state.glob("devices/*.ledger")) == []
+
+
+def test_the_limit_command_sets_shows_and_checks_revisions(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["limit", "cpu", "64MiB"]) == 0
+    assert "limit 64.0 MiB, revision 1" in capsys.readouterr().out
+    assert main(["limit", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["type"], row["limit_bytes"], row["revision"]) == ("cpu", 64 * MiB, 1)
+    with pytest.raises(SystemExit) as exited:
+        main(["limit", "cpu", "off", "--revision", "0"])
+    assert exited.value.code == 1
+    assert "revision 1, not 0" in capsys.readouterr().err
+    assert main(["limit", "cpu", "off", "--revision", "1"]) == 0
+    assert "no limit, revision 2" in capsys.readouterr().out
+
+
+def test_a_corrupt_ledger_gives_a_clean_error(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    Ledger(state, "host-test").close()
+    path = state / "devices" / "host-test.ledger"
+    path.write_bytes(b"not a ledger" + bytes(100))
+    with pytest.raises(StateDirError, match="is not an extensible-kv ledger"):
+        Ledger(state, "host-test")
+    for argv in (["top", "--once", "--json"], ["limit"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert "Traceback" not in err
+        assert str(path) in err
+        assert "not an extensible-kv ledger" in err
+
+
+@pytest.mark.parametrize(
+    ("where", "content", "message"),
+    [
+        ("devices/notes.txt", "hello", "is not a device ledger"),
+        ("procs/notes.txt", "hello", "is not a process's file"),
+        ("procs/1-00000000000000aa.json", "{", "cannot be read as JSON"),
+    ],
+)
+def test_a_foreign_file_in_the_state_directory_gives_a_clean_error(
+    state: Path, where: str, content: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    snapshot(state)  # makes the folders
+    (state / where).write_text(content)
+    if where.endswith(".json"):  # a record of a live process: its lock is held
+        budget = BudgetDriver(backend("cpu"), state_dir=state)
+        tensor = ExtensibleTensor(4 * MiB, "cpu", driver=budget)
+        tensor.resize_(2 * MiB)
+        own = next((state / "procs").glob(f"{os.getpid()}-*.lock"))
+        (state / where).rename(own.with_suffix(".json"))
+    with pytest.raises(SystemExit) as exited:
+        main(["top", "--once", "--json"])
+    assert exited.value.code == 1
+    assert message in capsys.readouterr().err
+
+
+def test_a_state_directory_that_is_a_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("EXTENSIBLE_KV_STATE_DIR", str(tmp_path / "file"))
+    with pytest.raises(SystemExit):
+        main(["top", "--once"])
+    assert "cannot use the state directory" in capsys.readouterr().err
+
+
+def test_top_shows_this_processs_caches(
+    budget: BudgetDriver, state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = _cache(budget)
+    cache.commit(16)
+    cache.release_physical()
+    lone = ExtensibleTensor(8 * MiB, "cpu", driver=budget)
+    lone.resize_(2 * MiB)
+    publisher(state).write()
+    assert main(["top", "--once", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["schema_version"] == 1
+    (device,) = document["devices"]
+    assert (device["type"], device["limit_bytes"], device["claimed_bytes"]) == (
+        "cpu",
+        None,
+        2 * MiB,
+    )
+    (process,) = device["processes"]
+    assert (process["pid"], process["claimed_bytes"]) == (os.getpid(), 2 * MiB)
+    kinds = {c["kind"]: c for c in process["caches"]}
+    assert kinds["KVCacheBuffers"]["asleep"] is True
+    assert kinds["KVCacheBuffers"]["physical_bytes"] == 0
+    assert kinds["KVCacheBuffers"]["reserved_bytes"] == cache.reserved_bytes
+    assert kinds["ExtensibleTensor"]["physical_bytes"] == 2 * MiB
+    assert len(process["caches"]) == 2  # the cache's tensors are shown as the cache
+    assert main(["top", "--once"]) == 0
+    table = capsys.readouterr().out
+    assert "KVCacheBuffers" in table
+    assert str(os.getpid()) in table
+    cache.free()
+    lone.free()

@@ -1,0 +1,387 @@
+"""The budget across real processes on the host backend: racing processes
+stay under the limit together, a killed holder's claim comes back, waits
+see another process's release, the no-limit path takes no lock, and
+``extensible-kv top`` shows every process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from extensible_kv import BudgetDriver, BudgetExceededError, ExtensibleTensor, waiting_for_budget
+from extensible_kv.budget import Ledger
+from extensible_kv.cli import main
+from extensible_kv.driver import backend
+
+MiB = 1 << 20
+UUID = backend("cpu").device_uuid(0)
+#: Seconds a child may take to reach a point it reports.
+PATIENCE_S = 60
+
+
+class Child:
+    """A Python child sharing the test's state directory, told what to do
+    line by line on stdin, answering line by line on stdout."""
+
+    def __init__(self, state: Path, code: str) -> None:
+        env = os.environ | {"EXTENSIBLE_KV_STATE_DIR": str(state)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def expect(self, word: str) -> str:
+        """The child's next line, which must start with ``word``."""
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], PATIENCE_S)
+        assert ready, f"the child said nothing for {PATIENCE_S} s"
+        line = self.process.stdout.readline().strip()
+        assert line.startswith(word), f"expected {word!r} from the child, got {line!r}"
+        return line[len(word) :].strip()
+
+    def tell(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(PATIENCE_S)
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EXTENSIBLE_KV_STATE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def children() -> Iterator[list[Child]]:
+    made: list[Child] = []
+    yield made
+    for child in made:
+        if child.process.poll() is None:
+            child.kill()
+
+
+def _ledger(state: Path) -> Ledger:
+    return Ledger(state, UUID)
+
+
+HOLDER = """
+    import sys
+    from extensible_kv import ExtensibleTensor
+    tensor = ExtensibleTensor(256 << 20, "cpu", chunk_bytes=2 << 20)
+    for line in sys.stdin:
+        verb, *arg = line.split()
+        if verb == "commit":
+            tensor.resize_per_segment_(int(arg[0]) << 20)
+        elif verb == "shrink":
+            tensor.shrink_per_segment_(int(arg[0]) << 20)
+        elif verb == "free":
+            tensor.free()
+        print("done", tensor.physical_bytes, flush=True)
+"""
+
+
+def test_racing_processes_never_claim_more_than_the_limit_together(state: Path) -> None:
+    limit = 24 * MiB
+    _ledger(state).set_limit(limit)
+    racer = """
+        import json, random, sys
+        from extensible_kv import BudgetExceededError, ExtensibleTensor, get_driver
+        rng = random.Random(int(sys.argv[1]))
+        tensor = ExtensibleTensor(64 << 20, "cpu", chunk_bytes=2 << 20)
+        ledger = get_driver("cpu").ledger(0)
+        granted = refused = mismatched = 0
+        for _ in range(150):
+            target = rng.randrange(0, 17) << 20
+            try:
+                if target >= tensor.num_bytes:
+                    tensor.resize_per_segment_(target)
+                else:
+                    tensor.shrink_per_segment_(target)
+                granted += 1
+            except BudgetExceededError:
+                refused += 1
+            mismatched += ledger.held != tensor.physical_bytes
+        tensor.free()
+        print(json.dumps([granted, refused, mismatched, ledger.held]), flush=True)
+    """
+    env = os.environ | {"EXTENSIBLE_KV_STATE_DIR": str(state)}
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(racer), str(seed)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for seed in range(4)
+    ]
+    ledger = _ledger(state)
+    highest = 0
+    while any(r.poll() is None for r in racers):
+        highest = max(highest, ledger.read().claimed_bytes)  # read under the ledger's lock
+        time.sleep(0.001)
+    results = [json.loads(r.communicate(timeout=PATIENCE_S)[0]) for r in racers]
+    assert all(r.returncode == 0 for r in racers)
+    assert highest <= limit
+    assert sum(refused for _, refused, _, _ in results) > 0, "the racers never contended"
+    assert all(granted > 0 for granted, _, _, _ in results)
+    assert [(mismatched, held) for _, _, mismatched, held in results] == [(0, 0)] * 4
+    assert ledger.read().claimed_bytes == 0
+
+
+def test_a_holder_killed_in_the_middle_of_a_commit_gives_its_claim_back(
+    state: Path, children: list[Child]
+) -> None:
+    child = Child(
+        state,
+        """
+        import sys, time
+        from extensible_kv import BudgetDriver, ExtensibleTensor
+        from extensible_kv.driver import DriverAdaptor, backend
+
+        class StallOnThirdCreate(DriverAdaptor):
+            # Test adaptor under the budget: the third create never returns,
+            # so the test can kill the process between a claim and its memory.
+            made = 0
+            def create(self, size, device, shareable):
+                self.made += 1
+                if self.made == 3:
+                    print("stalled", flush=True)
+                    time.sleep(600)
+                return self.inner.create(size, device, shareable)
+
+        driver = BudgetDriver(StallOnThirdCreate(backend("cpu")))
+        tensor = ExtensibleTensor(64 << 20, "cpu", driver=driver, chunk_bytes=8 << 20)
+        tensor.resize_(16 << 20)
+        print("holding", tensor.physical_bytes, flush=True)
+        tensor.resize_(40 << 20)
+        """,
+    )
+    children.append(child)
+    assert child.expect("holding") == str(16 * MiB)
+    child.expect("stalled")
+    ledger = _ledger(state)
+    claims = {p.pid: claimed for p, claimed in ledger.read().claims.items()}
+    assert claims == {child.pid: 24 * MiB}  # 16 MiB mapped and 8 MiB claimed, not yet made
+    ledger.set_limit(32 * MiB)
+    mine = ExtensibleTensor(64 * MiB, "cpu", driver=BudgetDriver(backend("cpu"), state_dir=state))
+    with pytest.raises(BudgetExceededError, match=f"pid {child.pid}"):
+        mine.resize_(32 * MiB)
+    os.kill(child.pid, signal.SIGKILL)
+    child.process.wait(PATIENCE_S)
+    mine.resize_(32 * MiB)  # the dead child's 24 MiB came back
+    assert {p.pid for p in ledger.read().claims} == {os.getpid()}
+    assert not list((state / "procs").glob(f"{child.pid}-*"))
+    mine.free()
+
+
+def test_a_parent_killed_while_its_forked_child_lives_gives_its_claim_back(
+    state: Path, children: list[Child]
+) -> None:
+    child = Child(
+        state,
+        """
+        import os, sys, time
+        from extensible_kv import ExtensibleTensor
+        tensor = ExtensibleTensor(64 << 20, "cpu")
+        tensor.resize_(8 << 20)
+        grandchild = os.fork()
+        if grandchild == 0:
+            time.sleep(600)  # holds every descriptor the parent had at the fork
+            os._exit(0)
+        print("forked", grandchild, flush=True)
+        time.sleep(600)
+        """,
+    )
+    children.append(child)
+    grandchild = int(child.expect("forked"))
+    try:
+        ledger = _ledger(state)
+        assert {p.pid: c for p, c in ledger.read().claims.items()} == {child.pid: 8 * MiB}
+        os.kill(child.pid, signal.SIGKILL)
+        child.process.wait(PATIENCE_S)
+        assert ledger.read().claims == {}
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+
+
+def test_a_wake_waits_for_another_processs_sleep(state: Path, children: list[Child]) -> None:
+    child = Child(state, HOLDER)
+    children.append(child)
+    child.tell("commit 16")
+    assert child.expect("done") == str(16 * MiB)
+    ledger = _ledger(state)
+    ledger.set_limit(24 * MiB)
+    mine = ExtensibleTensor(64 * MiB, "cpu", driver=BudgetDriver(backend("cpu"), state_dir=state))
+    with pytest.raises(BudgetExceededError) as refused:
+        mine.resize_(16 * MiB)
+    assert [pid for pid, _, _ in refused.value.holders] == [child.pid]
+    assert refused.value.holders[0][2].startswith(f"{sys.executable} -c")
+    timer = threading.Timer(0.3, child.tell, ["free"])
+    timer.start()
+    with waiting_for_budget(PATIENCE_S):
+        mine.resize_(16 * MiB)
+    timer.join()
+    assert child.expect("done") == "0"
+    assert mine.physical_bytes == 16 * MiB
+    mine.free()
+
+
+def test_without_a_limit_a_commit_takes_no_lock_and_with_one_it_does(
+    state: Path, children: list[Child]
+) -> None:
+    ledger = _ledger(state)
+    locker = Child(
+        state,
+        f"""
+        import fcntl, os, sys
+        fd = os.open({str(ledger.path)!r}, os.O_RDWR)
+        for line in sys.stdin:
+            fcntl.flock(fd, fcntl.LOCK_EX if line.strip() == "lock" else fcntl.LOCK_UN)
+            print("done", flush=True)
+        """,
+    )
+    children.append(locker)
+    mine = ExtensibleTensor(64 * MiB, "cpu", driver=BudgetDriver(backend("cpu"), state_dir=state))
+    mine.resize_(2 * MiB)  # takes this process's slot, which locks once
+
+    def grow(to: int) -> threading.Thread:
+        thread = threading.Thread(target=mine.resize_, args=(to,))
+        thread.start()
+        thread.join(5)
+        return thread
+
+    locker.tell("lock")
+    locker.expect("done")
+    assert not grow(8 * MiB).is_alive()  # no limit: done while another process holds the lock
+    locker.tell("unlock")
+    locker.expect("done")
+    ledger.set_limit(64 * MiB)
+    locker.tell("lock")
+    locker.expect("done")
+    blocked = grow(16 * MiB)
+    assert blocked.is_alive()  # a claim under a limit waits for the ledger's lock
+    locker.tell("unlock")
+    blocked.join(PATIENCE_S)
+    assert not blocked.is_alive()
+    assert mine.physical_bytes == 16 * MiB
+    mine.free()
+
+
+def _top(capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    assert main(["top", "--once", "--json"]) == 0
+    document: dict[str, object] = json.loads(capsys.readouterr().out)
+    return document
+
+
+def _process(document: dict[str, object], pid: int) -> dict[str, object] | None:
+    for device in document["devices"]:  # type: ignore[attr-defined]
+        for process in device["processes"]:
+            if process["pid"] == pid:
+                return dict(process)
+    return None
+
+
+def _until(check: object, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.05)
+
+
+def test_top_shows_every_process_and_forgets_the_dead(
+    state: Path, children: list[Child], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache_child = Child(
+        state,
+        """
+        import sys
+        from extensible_kv import ExtensibleTensor, KVCacheBuffers
+        block = 256 << 10
+        tensor = ExtensibleTensor(64 * block * 2, "cpu", num_segments=2)
+        cache = KVCacheBuffers([(tensor, block)], 64)
+        cache.commit(16)
+        print("ready", cache.physical_bytes, flush=True)
+        sys.stdin.readline()
+        cache.release_physical()
+        print("asleep", flush=True)
+        sys.stdin.readline()
+        """,
+    )
+    children.append(cache_child)
+    physical = int(cache_child.expect("ready"))
+
+    def cache_of_child() -> dict[str, object] | None:
+        process = _process(_top(capsys), cache_child.pid)
+        if process is None or not process["caches"]:
+            return None
+        (cache,) = process["caches"]  # type: ignore[misc]
+        return dict(cache, claimed=process["claimed_bytes"], command=process["command"])
+
+    _until(lambda: (cache_of_child() or {}).get("physical_bytes") == physical, "the cache")
+    seen = cache_of_child()
+    assert seen is not None
+    assert (seen["kind"], seen["asleep"], seen["claimed"]) == ("KVCacheBuffers", False, physical)
+    assert "KVCacheBuffers" in str(seen["command"])
+    document = _top(capsys)
+    assert document["schema_version"] == 1
+    (device,) = document["devices"]  # type: ignore[misc]
+    assert set(device) >= {"device", "limit_bytes", "claimed_bytes", "processes"}
+    assert device["limit_bytes"] is None
+    cache_child.tell("sleep")
+    cache_child.expect("asleep")
+    _until(lambda: (cache_of_child() or {}).get("asleep") is True, "the sleep")
+    assert (cache_of_child() or {})["claimed"] == 0
+    cache_child.kill()
+    _until(lambda: _process(_top(capsys), cache_child.pid) is None, "the dead process go")
+    assert not list((state / "procs").glob(f"{cache_child.pid}-*"))
+
+
+def test_the_live_view_refreshes_and_quits_on_q(state: Path) -> None:
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: top on a terminal
+        os.execv(sys.executable, [sys.executable, "-m", "extensible_kv.cli", "top"])
+    seen = b""
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while seen.count(b"q quits") < 2:  # the header, drawn at least twice
+            assert time.monotonic() < deadline, f"top drew {seen!r}"
+            ready, _, _ = select.select([fd], [], [], 1)
+            if ready:
+                seen += os.read(fd, 65536)
+        os.write(fd, b"q")
+        deadline = time.monotonic() + PATIENCE_S
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            assert time.monotonic() < deadline, "top did not quit on q"
+            with_output, _, _ = select.select([fd], [], [], 0.1)
+            if with_output:
+                with contextlib.suppress(OSError):
+                    os.read(fd, 65536)
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.close(fd)
