@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,21 @@ def test_transformers_generate_runs_and_checks_itself(flags: list[str]) -> None:
     assert "before the first token: 0 bytes" in result.stdout
     assert "asleep: 0 bytes" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("ok: DynamicCache's tokens")
+
+
+def test_switch_models_shares_a_budget_between_two_processes(tmp_path: Path) -> None:
+    """Two demo-decoder engines under a limit that holds one: refused, waited, right tokens."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "switch_models.py"), "--engine", "demo", "--kv-mib", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"EXTENSIBLE_KV_STATE_DIR": str(tmp_path / "untouched")},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "ok: every serve's tokens were right"
+    (refusal,) = [line for line in lines if "refused: " in line]
+    assert refusal.split()[:2] == ["B", "wake"]
+    assert sum("tokens right" in line for line in lines) == 6
+    assert not (tmp_path / "untouched").exists()  # the example's limits live in its own directory

@@ -10,6 +10,7 @@ in ``nox -s vllm``; skipped where vLLM is not installed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -309,7 +310,8 @@ def test_a_capacity_option_is_reserved_for(models: dict[str, str]) -> None:
     [
         ({"num_blocks_capacity": 1}, "below the", False),
         ({"num_blocks_capacity": "lots"}, "give an int", False),
-        ({"capacity": 4096}, "takes a dict with num_blocks_capacity and growth only", False),
+        ({"capacity": 4096}, "with num_blocks_capacity, growth, budget_wait_s only", False),
+        ({"budget_wait_s": -1}, "budget_wait_s'] is -1", False),
         ({"growth": "lazy"}, "give one of 'static', 'on_demand'", False),
         ({"growth": "on_demand"}, "cannot serve a KV connector", True),
     ],
@@ -357,6 +359,27 @@ def test_the_sleep_wake_example_runs_and_checks_itself() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     assert "asleep:     0.0 MiB of KV memory" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("ok: ")
+
+
+def test_two_vllm_engines_switch_under_one_budget(tmp_path: Path) -> None:
+    """Two LLMs (a Llama and a Qwen3) in two processes, a limit that holds one
+    KV cache: each serve's tokens equal the engine's first, a wake while the
+    other holds the budget is refused, a waiting one succeeds after its sleep."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "switch_models.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--engine", "vllm", "--kv-mib", "64"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=os.environ | {"EXTENSIBLE_KV_STATE_DIR": str(tmp_path / "untouched")},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "ok: every serve's tokens were right"
+    (refusal,) = [line for line in lines if "refused: " in line]
+    assert refusal.split()[:2] == ["B", "wake"]
+    assert sum("tokens right" in line for line in lines) == 6
+    assert not (tmp_path / "untouched").exists()
 
 
 def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:

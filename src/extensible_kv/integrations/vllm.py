@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from extensible_kv import unavailable_reason
+from extensible_kv import unavailable_reason, waiting_for_budget
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
 from extensible_kv.kv import KVCache, OnDemandGrowth, allocate_kv_cache, at_capacity
@@ -81,7 +81,7 @@ STATE_KEYS = (
 )
 
 #: The options ``additional_config["extensible_kv"]`` takes.
-OPTIONS = ("num_blocks_capacity", "growth")
+OPTIONS = ("num_blocks_capacity", "growth", "budget_wait_s")
 #: The values of the ``growth`` option.
 GROWTH_MODES = ("static", "on_demand")
 
@@ -154,13 +154,19 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if not isinstance(options, dict) or unknown:
             raise ValueError(
                 f"additional_config['extensible_kv'] takes a dict with "
-                f"{' and '.join(OPTIONS)} only, got {', '.join(unknown) or repr(options)}"
+                f"{', '.join(OPTIONS)} only, got {', '.join(unknown) or repr(options)}"
             )
         growth = options.get("growth", "static")
         if growth not in GROWTH_MODES:
             raise ValueError(
                 f"additional_config['extensible_kv']['growth'] is {growth!r}; "
                 f"give one of {', '.join(map(repr, GROWTH_MODES))}"
+            )
+        wait = options.get("budget_wait_s", 0)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+            raise ValueError(
+                f"additional_config['extensible_kv']['budget_wait_s'] is {wait!r}; give the "
+                f"seconds a wake may wait for room under the device's budget (0 or more)"
             )
         if growth == "on_demand" and self._has_connector():
             raise ValueError(
@@ -452,14 +458,23 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if self._parent_sleeps():
             super().wake_up(tags)
 
-    def _wake_kv(self) -> None:
+    def _wake_kv(self, wait_s: float | None = None) -> None:
         """Commit the KV cache again: what it held, or with on-demand growth
-        the first step after a discarding sleep (vLLM reset its prefix cache)."""
+        the first step after a discarding sleep (vLLM reset its prefix cache).
+
+        Under a device budget (``extensible-kv limit``) that another engine
+        fills, the commit waits up to ``wait_s`` seconds (default: the
+        ``budget_wait_s`` option) for room, then raises
+        :class:`~extensible_kv.BudgetExceededError` with the cache still
+        asleep, so a later wake can try again."""
         assert self._kv is not None
-        if self._growth is not None:
-            self._growth.wake()
-        else:
-            self._kv.buffers.recommit()
+        if wait_s is None:
+            wait_s = float(self._options().get("budget_wait_s", 0))
+        with waiting_for_budget(wait_s):
+            if self._growth is not None:
+                self._growth.wake()
+            else:
+                self._kv.buffers.recommit()
 
     def discard(self, tags: tuple[str, ...]) -> None:
         """Drop tagged memory without a backup: ``"kv_cache"`` releases the
@@ -506,13 +521,16 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             )
         kv.buffers.release_physical(preserve=preserve)
 
-    def wake_kv_cache(self) -> None:
+    def wake_kv_cache(self, wait_s: float | None = None) -> None:
         """Commit the KV cache again at the same addresses, with what a
         preserving :meth:`sleep_kv_cache` kept (zeroed otherwise); then
         ``llm.wake_up(tags=["scheduling"])`` resumes the scheduler. Does
-        nothing while awake."""
+        nothing while awake. Under a device budget, waits up to ``wait_s``
+        seconds (default: the ``budget_wait_s`` option) for another engine
+        to give memory back; :class:`~extensible_kv.BudgetExceededError`
+        after that leaves the cache asleep."""
         self._managed("wake_kv_cache")
-        self._wake_kv()
+        self._wake_kv(wait_s)
 
     def trim_kv_cache(self, num_blocks: int | None = None) -> int:
         """Give back the KV memory past ``num_blocks`` blocks (default: past
