@@ -5,10 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from extensible_kv.budget import Ledger, state_dir
 from extensible_kv.cli import main
+from extensible_kv.driver import backend
 
 SUITES = (
     "commit_vs_zeros",
@@ -20,12 +23,18 @@ SUITES = (
     "view_access",
     "bookkeeping",
     "overhead",
+    "budget",
     "vllm",
 )  # written out: a suite dropped from the bench fails here
 
 
 def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = Ledger(state_dir(), backend("cpu").device_uuid(0))
+    limit_before = ledger.limit()
     assert main(["bench", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    limit_after = ledger.limit()
+    ledger.close()
+    assert limit_after == limit_before, "the budget suite keeps to state directories of its own"
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(SUITES) <= set(results)
     for row in results["commit_vs_zeros"]:
@@ -46,6 +55,7 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     for rows in results["overhead"].values():
         for row in rows.values():
             assert 0 <= row["overhead"] < 8 << 20, "at most a granule per segment"
+    _check_budget_rows(results["budget"])
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "commit + zero" in out
@@ -54,7 +64,38 @@ def test_quick_bench_writes_every_suite(tmp_path: Path, capsys: pytest.CaptureFi
     assert "reserved ahead while asleep" in out
     assert "vs the memset floor" in out
     assert out.count("not measured on this machine (no GPU)") == 4, "the GPU-only goals"
+    assert "7. the shared budget, on the host" in out
+    assert "the budget's cost on a 2 MiB host commit" in out
     assert "10. vLLM, stock and on extensible-kv" in out
+
+
+def _positive_stats(stats: dict[str, float]) -> None:
+    assert 0 < stats["min"] <= stats["median"] <= stats["max"]
+
+
+def _check_budget_rows(budget: dict[str, Any]) -> None:
+    """The budget suite's rows: every field, positive times, boolean goals
+    (whether they are met depends on the machine)."""
+    commit, claim, switch = budget["commit"], budget["claim"], budget["switch"]
+    assert commit["bytes"] == claim["bytes"] == 2 << 20
+    for key in ("raw_us", "no_limit_us", "limit_us"):
+        _positive_stats(commit[key])
+    for key in ("no_limit", "limit"):
+        assert commit[f"{key}_vs_raw"] > 0
+        assert commit[f"{key}_vs_raw"] == pytest.approx(1 + commit[f"{key}_overhead_pct"] / 100)
+        assert isinstance(commit[f"{key}_added_us"], float)
+        _positive_stats(claim[f"{key}_us"])
+    assert isinstance(commit["overhead_goal_met"], bool)
+    assert isinstance(claim["claim_goal_met"], bool)
+    assert (commit["overhead_goal_pct"], claim["claim_goal_us"]) == (5, 50)
+    assert switch["limit_bytes"] == 3 * switch["cache_bytes"] // 2
+    assert switch["engines_started"] == 2, "A and one B at --quick's 2 repeats"
+    assert switch["switches"] == 4
+    for key in ("release_s", "recommit_s", "switch_s", "start_s", "start_commit_s"):
+        _positive_stats(switch[key])
+    assert switch["switch_s"]["min"] >= switch["recommit_s"]["min"]
+    assert switch["start_s"]["min"] > switch["start_commit_s"]["min"]
+    assert switch["start_vs_switch"] > 0
 
 
 def test_the_expandable_segments_peer_runs_in_a_process_of_its_own() -> None:
@@ -67,6 +108,31 @@ def test_the_expandable_segments_peer_runs_in_a_process_of_its_own() -> None:
     costs = _grow_expandable_segments(torch.device("cpu"), 8 << 20, 4)
     assert len(costs) == 4
     assert all(cost > 0 for cost in costs)
+
+
+def test_the_budget_suite_kills_its_engines_when_a_step_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine that fails a call (here, one it does not have) ends the
+    suite with an error naming it, and no engine process outlives it."""
+    from extensible_kv.bench import budget
+
+    made: list[budget._Engine] = []
+
+    class Recorded(budget._Engine):
+        def __init__(self, env: dict[str, str], layer_bytes: int) -> None:
+            super().__init__(env, layer_bytes)
+            made.append(self)
+
+    def failing(source: budget._Engine, target: budget._Engine) -> tuple[float, float]:
+        return source.call("no_such_call"), target.call("recommit")
+
+    monkeypatch.setattr(budget, "_Engine", Recorded)
+    monkeypatch.setattr(budget, "_switch", failing)
+    with pytest.raises(RuntimeError, match="answered nothing instead of 'done'"):
+        budget.switching(8 << 20, 2)
+    assert len(made) == 2
+    assert all(engine.process.poll() is not None for engine in made)
 
 
 def test_a_bench_cut_short_keeps_the_suites_it_finished(

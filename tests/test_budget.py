@@ -119,10 +119,9 @@ def test_a_refused_commit_leaves_the_cache_as_it_was(budget: BudgetDriver) -> No
     assert isinstance(error, OutOfMemoryError)
     assert isinstance(error, torch.OutOfMemoryError)
     assert error.limit_bytes == 12 * MiB
-    # Each segment's new run is one 4 MiB chunk: the first fit (12 MiB claimed,
-    # rolled back since), the second was refused before any driver call.
-    assert error.asked_bytes == 4 * MiB
-    assert [(pid, claimed) for pid, claimed, _ in error.holders] == [(os.getpid(), 12 * MiB)]
+    # The commit claims its whole 16 MiB at once, before any driver call.
+    assert error.asked_bytes == 16 * MiB
+    assert [(pid, claimed) for pid, claimed, _ in error.holders] == [(os.getpid(), 8 * MiB)]
     assert "12.0 MiB" in str(error)
     assert f"pid {os.getpid()}" in str(error)
     copy = pickle.loads(pickle.dumps(error))  # engines send errors between processes

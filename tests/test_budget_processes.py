@@ -114,7 +114,9 @@ def test_racing_processes_never_claim_more_than_the_limit_together(state: Path) 
         tensor = ExtensibleTensor(64 << 20, "cpu", chunk_bytes=2 << 20)
         ledger = get_driver("cpu").ledger(0)
         granted = refused = mismatched = 0
-        for _ in range(150):
+        print("ready", flush=True)
+        sys.stdin.readline()  # all start together
+        for _ in range(300):
             target = rng.randrange(0, 17) << 20
             try:
                 if target >= tensor.num_bytes:
@@ -132,22 +134,32 @@ def test_racing_processes_never_claim_more_than_the_limit_together(state: Path) 
     racers = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(racer), str(seed)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
         for seed in range(4)
     ]
+    for racer_process in racers:
+        assert racer_process.stdout is not None
+        assert racer_process.stdout.readline().strip() == "ready"
+    for racer_process in racers:
+        assert racer_process.stdin is not None
+        racer_process.stdin.write("go\n")
+        racer_process.stdin.flush()
     ledger = _ledger(state)
     highest = 0
     while any(r.poll() is None for r in racers):
         highest = max(highest, ledger.read().claimed_bytes)  # read under the ledger's lock
         time.sleep(0.001)
-    results = [json.loads(r.communicate(timeout=PATIENCE_S)[0]) for r in racers]
-    assert all(r.returncode == 0 for r in racers)
-    assert highest <= limit
-    assert sum(refused for _, refused, _, _ in results) > 0, "the racers never contended"
-    assert all(granted > 0 for granted, _, _, _ in results)
+    outputs = [r.communicate(timeout=PATIENCE_S) for r in racers]
+    assert [r.returncode for r in racers] == [0] * 4, [err[-2000:] for _, err in outputs]
+    results = [json.loads(out) for out, _ in outputs]
+    assert highest <= limit, results
+    assert sum(refused for _, refused, _, _ in results) > 0, f"no contention: {results}"
+    assert all(granted > 0 for granted, _, _, _ in results), results
     assert [(mismatched, held) for _, _, mismatched, held in results] == [(0, 0)] * 4
     assert ledger.read().claimed_bytes == 0
 
@@ -155,6 +167,8 @@ def test_racing_processes_never_claim_more_than_the_limit_together(state: Path) 
 def test_a_holder_killed_in_the_middle_of_a_commit_gives_its_claim_back(
     state: Path, children: list[Child]
 ) -> None:
+    ledger = _ledger(state)
+    ledger.set_limit(64 * MiB)
     child = Child(
         state,
         """
@@ -183,16 +197,16 @@ def test_a_holder_killed_in_the_middle_of_a_commit_gives_its_claim_back(
     children.append(child)
     assert child.expect("holding") == str(16 * MiB)
     child.expect("stalled")
-    ledger = _ledger(state)
     claims = {p.pid: claimed for p, claimed in ledger.read().claims.items()}
-    assert claims == {child.pid: 24 * MiB}  # 16 MiB mapped and 8 MiB claimed, not yet made
-    ledger.set_limit(32 * MiB)
+    # 16 MiB mapped, and the growth's 24 MiB claimed at once, of which 8 MiB is being made.
+    assert claims == {child.pid: 40 * MiB}
+    ledger.set_limit(48 * MiB)
     mine = ExtensibleTensor(64 * MiB, "cpu", driver=BudgetDriver(backend("cpu"), state_dir=state))
     with pytest.raises(BudgetExceededError, match=f"pid {child.pid}"):
         mine.resize_(32 * MiB)
     os.kill(child.pid, signal.SIGKILL)
     child.process.wait(PATIENCE_S)
-    mine.resize_(32 * MiB)  # the dead child's 24 MiB came back
+    mine.resize_(32 * MiB)  # the dead child's 40 MiB came back
     assert {p.pid for p in ledger.read().claims} == {os.getpid()}
     assert not list((state / "procs").glob(f"{child.pid}-*"))
     mine.free()
@@ -240,11 +254,21 @@ def test_a_wake_waits_for_another_processs_sleep(state: Path, children: list[Chi
         mine.resize_(16 * MiB)
     assert [pid for pid, _, _ in refused.value.holders] == [child.pid]
     assert refused.value.holders[0][2].startswith(f"{sys.executable} -c")
-    timer = threading.Timer(0.3, child.tell, ["free"])
-    timer.start()
-    with waiting_for_budget(PATIENCE_S):
-        mine.resize_(16 * MiB)
-    timer.join()
+
+    def wake() -> None:
+        with waiting_for_budget(PATIENCE_S):  # per thread
+            mine.resize_(16 * MiB)
+
+    waiting = threading.Thread(target=wake)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive()
+    # A waiting commit holds nothing: its whole 16 MiB is claimed at once.
+    claims = {p.pid: c for p, c in ledger.read().claims.items()}
+    assert claims == {child.pid: 16 * MiB, os.getpid(): 0}
+    child.tell("free")
+    waiting.join(PATIENCE_S)
+    assert not waiting.is_alive()
     assert child.expect("done") == "0"
     assert mine.physical_bytes == 16 * MiB
     mine.free()

@@ -7,6 +7,7 @@ host (CPU) memory, and pluggable drivers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import weakref
@@ -33,7 +34,7 @@ from extensible_kv.buffer import (
 )
 from extensible_kv.dlpack import ByteView, as_tensor
 from extensible_kv.driver import Driver, device_with_uuid, get_driver, parse_device
-from extensible_kv.driver.budgeted import find_budget
+from extensible_kv.driver.budgeted import BudgetDriver, find_budget, prepaying_budget
 from extensible_kv.driver.pool import Kind, PoolingDriver, fill_pools_in_background, find_pool
 from extensible_kv.intervals import IntervalSet
 
@@ -636,23 +637,26 @@ class ExtensibleTensor:
         return (self._buffer.driver.dlpack_device_type, self._buffer.device)
 
 
-def budget_device(tensor: ExtensibleTensor) -> str | None:
-    """The UUID of the device whose budget ``tensor`` claims from, once it
-    has claimed; None if its driver has no budget (calls no driver)."""
+def budget_figures(tensor: ExtensibleTensor) -> dict[str, str] | None:
+    """Where ``tensor`` claims from, once it has claimed: the device's UUID
+    and the budget's state directory; None if its driver has no budget."""
     budget = find_budget(tensor.buffer.driver)
-    return None if budget is None else budget.known_uuid(tensor.buffer.device)
+    ledger = None if budget is None else budget.known_ledger(tensor.buffer.device)
+    if ledger is None:
+        return None
+    return {"device_uuid": ledger.device, "state_dir": str(ledger.state_dir)}
 
 
 def _published(tensor: ExtensibleTensor) -> dict[str, Any] | None:
     """What ``extensible-kv top`` shows of a tensor that no KV cache owns."""
     owner = tensor._cache
-    uuid = budget_device(tensor)
-    if uuid is None or tensor.buffer.freed or (owner is not None and owner() is not None):
+    where = budget_figures(tensor)
+    if where is None or tensor.buffer.freed or (owner is not None and owner() is not None):
         return None
     return {
         "kind": "ExtensibleTensor",
         "device": str(tensor.device),
-        "device_uuid": uuid,
+        **where,
         "reserved_bytes": tensor.capacity_bytes,
         "committed_bytes": tensor.num_bytes,
         "physical_bytes": tensor.physical_bytes,
@@ -670,12 +674,39 @@ def resize_per_segment_all(
     """
     with hold_locks(tensor._buffer for tensor, _ in items):
         plans = [(tensor, n, *tensor._grow_plan(n, zero_new)) for tensor, n in items]
-        mapped = commit_together([(tensor._buffer, ranges) for tensor, _, ranges, _ in plans])
+        requests = [(tensor._buffer, ranges) for tensor, _, ranges, _ in plans]
+        with _claimed_at_once(requests):
+            mapped = commit_together(requests)
         for (tensor, n, ranges, to_zero), runs in zip(plans, mapped, strict=True):
             if ranges:
                 tensor._bytes_per_segment = n
             tensor._zero(to_zero)
             tensor._zero_tails(within=runs)
+
+
+def _claimed_at_once(
+    requests: Sequence[tuple[VirtualBuffer, list[tuple[int, int]]]],
+) -> contextlib.AbstractContextManager[object]:
+    """Claim what committing ``requests`` will create from each limited
+    device's budget before creating any of it (:meth:`BudgetDriver.prepaid`).
+    Without a limit a claim can neither fail nor wait, so the creates claim
+    one by one and the commit costs no more than that."""
+    totals: dict[tuple[BudgetDriver, int], int] = {}
+    for buffer, ranges in requests:
+        budget = prepaying_budget(buffer.driver)
+        if budget is not None and ranges and budget.ledger(buffer.device).limited:
+            key = (budget, buffer.device)
+            totals[key] = totals.get(key, 0) + sum(buffer.chunk_sizes(ranges))
+    if not totals:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    try:
+        for (budget, device), size in totals.items():
+            stack.enter_context(budget.prepaid(device, size))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
 
 
 def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv.bench import engine, suites
+from extensible_kv.bench import budget, engine, suites
 from extensible_kv.bench.measure import MiB, warm_up
 
 #: The suites, in the order they run.
@@ -27,6 +27,7 @@ SUITES = (
     "view_access",
     "bookkeeping",
     "overhead",
+    "budget",
     "vllm",
 )
 
@@ -49,6 +50,14 @@ class BenchPlan:
     overhead_blocks: tuple[int, ...] = (1, 10, 100, 1000)
     vllm_rounds: int = 3
     vllm_kv_bytes: int = 512 * MiB
+    #: The budget suite, on the host whatever the device: samples of each
+    #: figure, each the mean of ``budget_cycles`` commits or ``budget_pairs``
+    #: claims in a row; each engine's KV cache when engines switch (engines
+    #: started: ``repeats``, at least 2).
+    budget_samples: int = 15
+    budget_cycles: int = 200
+    budget_pairs: int = 10_000
+    budget_cache_bytes: int = 256 * MiB
 
     @classmethod
     def for_device(cls, device: torch.device, quick: bool) -> BenchPlan:
@@ -68,6 +77,10 @@ class BenchPlan:
                 overhead_blocks=(1, 10, 100),
                 vllm_rounds=1,
                 vllm_kv_bytes=64 * MiB,
+                budget_samples=3,
+                budget_cycles=50,
+                budget_pairs=1000,
+                budget_cache_bytes=32 * MiB,
             )
         if device.type == "cuda":
             return cls(
@@ -120,6 +133,13 @@ def run(
             plan.bookkeeping_granules, plan.bookkeeping_real_granules
         ),
         "overhead": lambda: suites.overhead(device, list(plan.overhead_blocks)),
+        "budget": lambda: budget.budget(
+            plan.budget_cycles,
+            plan.budget_pairs,
+            plan.budget_samples,
+            plan.budget_cache_bytes,
+            plan.repeats,
+        ),
         "vllm": lambda: engine.suite(plan.vllm_rounds, plan.vllm_kv_bytes),
     }
     for name in SUITES:

@@ -15,6 +15,11 @@ def _ms(stats: dict[str, float]) -> str:
     return f"{stats['median'] * 1e3:.1f} ms [{stats['min'] * 1e3:.1f}-{stats['max'] * 1e3:.1f}]"
 
 
+def _us(stats: dict[str, float]) -> str:
+    """Microseconds (min/median/max already in us) as median [min-max]."""
+    return f"{stats['median']:.1f} us [{stats['min']:.1f}-{stats['max']:.1f}]"
+
+
 def tables(results: dict[str, Any]) -> list[Table]:
     """One table per suite; times are median [min-max], ratios baseline/ours."""
     out = []
@@ -158,11 +163,52 @@ def tables(results: dict[str, Any]) -> list[Table]:
             cells.append(f"{row['overhead'] / MiB:.1f} MiB ({share:.0%})")
         table.add_row(name, *cells)
     out.append(table)
+    out.append(budget_table(results["budget"]))
     vllm = vllm_table(results.get("vllm"))
     if vllm is not None:
         out.append(vllm)
     out.append(goals(results))
     return out
+
+
+def budget_table(budget: dict[str, Any]) -> Table:
+    """The ``budget`` suite: a claim's cost in a 2 MiB commit and alone,
+    and switching engines under a limit against starting one."""
+    commit, claim, switch = budget["commit"], budget["claim"], budget["switch"]
+    table = Table(
+        title=f"7. the shared budget, on the host: {commit['bytes'] // MiB} MiB commits and "
+        f"claims; switching engines of {switch['cache_bytes'] // MiB} MiB under a limit"
+    )
+    table.add_column("what")
+    for column in ("time", "vs the baseline"):
+        table.add_column(column, justify="right")
+    table.add_row("commit + release, raw backend", _us(commit["raw_us"]), "baseline")
+    for key, label in (("no_limit", "no limit"), ("limit", "under a limit")):
+        table.add_row(
+            f"the same through BudgetDriver, {label}",
+            _us(commit[f"{key}_us"]),
+            f"{commit[f'{key}_vs_raw']:.3f}x ({commit[f'{key}_overhead_pct']:+.1f}%, "
+            f"{commit[f'{key}_added_us']:+.1f} us)",
+        )
+    table.add_row("Ledger.claim + give_back, no limit", _us(claim["no_limit_us"]), "-")
+    table.add_row("the same under a limit", _us(claim["limit_us"]), "-")
+    table.add_row(
+        "switch: A's release_physical + B's recommit", _ms(switch["switch_s"]), "baseline"
+    )
+    table.add_row("of which the release", _ms(switch["release_s"]), "-")
+    table.add_row("of which the recommit", _ms(switch["recommit_s"]), "-")
+    table.add_row(
+        "start B from nothing: spawn to committed",
+        _ms(switch["start_s"]),
+        f"{switch['start_vs_switch']:.0f}x the switch",
+    )
+    table.add_row("of which making and committing the cache", _ms(switch["start_commit_s"]), "-")
+    table.caption = (
+        f"limit {switch['limit_bytes'] // MiB} MiB; {switch['engines_started']} engines "
+        f"started, {switch['switches']} switches; {commit['samples']} samples of "
+        f"{commit['cycles_per_sample']} commits and of {claim['pairs_per_sample']} claims"
+    )
+    return table
 
 
 def vllm_table(vllm: dict[str, Any] | None) -> Table | None:
@@ -236,6 +282,20 @@ def goals(results: dict[str, Any]) -> Table:
         "bookkeeping per commit",
         "flat to 100k granules",
         f"{min(flat):.0f}-{max(flat):.0f} us from 10 to {max(steps):,} granules",
+    )
+    commit, claim = results["budget"]["commit"], results["budget"]["claim"]
+    table.add_row(
+        "the budget's cost on a 2 MiB host commit + release",
+        f"<= {commit['overhead_goal_pct']:g}%",
+        f"{commit['no_limit_overhead_pct']:+.1f}% with no limit, "
+        f"{commit['limit_overhead_pct']:+.1f}% under one "
+        f"({'met' if commit['overhead_goal_met'] else 'not met'})",
+    )
+    table.add_row(
+        "a claim + give_back, under a limit",
+        f"<= {claim['claim_goal_us']:g} us",
+        f"{claim['limit_us']['median']:.1f} us, {claim['no_limit_us']['median']:.1f} us "
+        f"with no limit ({'met' if claim['claim_goal_met'] else 'not met'})",
     )
     return table
 

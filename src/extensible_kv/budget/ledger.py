@@ -45,10 +45,11 @@ MAGIC = b"EKVBUDG1"
 VERSION = 1
 #: Processes one device's ledger has room for.
 SLOTS = 128
-#: magic, version, slots, limit (-1: none), revision; padded to 64 bytes.
-_HEADER = struct.Struct("<8sIIqq")
+#: magic, version, slots, limit (-1: none), revision, slots ever taken (a
+#: bound for sums); padded to 64 bytes.
+_HEADER = struct.Struct("<8sIIqqq")
 _HEADER_BYTES = 64
-_LIMIT, _REVISION = 2, 3  # their indexes in the header read as int64s
+_LIMIT, _REVISION, _HIGH = 2, 3, 4  # their indexes in the header read as int64s
 _PIDS = _HEADER_BYTES
 _TOKENS = _PIDS + 8 * SLOTS
 _CLAIMS = _TOKENS + 8 * SLOTS
@@ -106,7 +107,9 @@ class Ledger:
         self.device = device
         self.path = ledger_path(state_dir, device)
         prepare(state_dir)
-        self._mutex = threading.Lock()
+        # Reentrant: a finalizer releasing a dropped buffer's memory may run
+        # at an allocation inside a claim, on the same thread (see BudgetDriver).
+        self._mutex = threading.RLock()
         self._fd = _open(self.path)
         try:
             self._map = mmap.mmap(self._fd, FILE_BYTES)
@@ -128,6 +131,11 @@ class Ledger:
         os.close(self._fd)
 
     # -- the limit ------------------------------------------------------------
+
+    @property
+    def limited(self) -> bool:
+        """True while the device has a limit (one load from the mapping)."""
+        return self._header[_LIMIT] >= 0
 
     def limit(self) -> Limit:
         raw = self._header[_LIMIT]
@@ -165,6 +173,13 @@ class Ledger:
         that does not fit waits up to ``timeout_s`` seconds for room, then
         raises :class:`BudgetExceededError`.
         """
+        slot = self._slot
+        if slot is not None and self._header[_LIMIT] < 0:  # the common case, inlined
+            with self._mutex:
+                self._claims[slot] += size
+            return
+        if self._try_claim(size):
+            return
         deadline = time.monotonic() + timeout_s
         while not self._try_claim(size):
             if time.monotonic() >= deadline:
@@ -185,12 +200,17 @@ class Ledger:
                 self._claims[slot] += size
                 return True
             with self._flocked():
-                fits = sum(self._claims) + size <= limit
+                fits = self._total() + size <= limit
                 if not fits and self._forget_dead():
-                    fits = sum(self._claims) + size <= limit
+                    fits = self._total() + size <= limit
                 if fits:
                     self._claims[slot] += size
                 return fits
+
+    def _total(self) -> int:
+        """Bytes claimed in every slot (caller holds the flock): slots are
+        taken lowest first, so only those below the high-water mark count."""
+        return sum(self._claims[: self._header[_HIGH]])
 
     def _refusal(self, size: int) -> BudgetExceededError:
         view = self.read()
@@ -233,6 +253,7 @@ class Ledger:
             self._claims[slot] = 0
             self._tokens[slot] = me.token
             self._pids[slot] = me.pid
+            self._header[_HIGH] = max(self._header[_HIGH], slot + 1)
         self._slot = slot
         return slot
 
@@ -306,7 +327,7 @@ def _open(path: Path) -> int:
 
 def _create(path: Path) -> None:
     fresh = bytearray(FILE_BYTES)
-    _HEADER.pack_into(fresh, 0, MAGIC, VERSION, SLOTS, -1, 0)
+    _HEADER.pack_into(fresh, 0, MAGIC, VERSION, SLOTS, -1, 0, 0)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     try:
         temporary.write_bytes(fresh)
@@ -322,7 +343,7 @@ def _validate(path: Path, fd: int) -> None:
     size = os.fstat(fd).st_size
     if size != FILE_BYTES:
         raise _foreign(path, f"is {size} bytes long, not {FILE_BYTES}")
-    magic, version, slots, limit, revision = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+    magic, version, slots, limit, revision, high = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
     if magic != MAGIC:
         raise _foreign(path, f"does not start with {MAGIC!r}")
     if version != VERSION or slots != SLOTS:
@@ -331,8 +352,8 @@ def _validate(path: Path, fd: int) -> None:
             f"is a version {version} ledger with {slots} slots; this extensible-kv "
             f"reads version {VERSION} with {SLOTS}",
         )
-    if limit < -1 or revision < 0:
-        raise _foreign(path, f"holds a limit of {limit} at revision {revision}")
+    if limit < -1 or revision < 0 or not 0 <= high <= SLOTS:
+        raise _foreign(path, f"holds a limit of {limit} at revision {revision}, {high} slots")
 
 
 def _foreign(path: Path, what: str) -> StateDirError:

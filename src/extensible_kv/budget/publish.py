@@ -12,6 +12,7 @@ process. Caches register themselves (:func:`register_cache`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -28,52 +29,47 @@ logger = logging.getLogger(__name__)
 
 #: Version of the per-process file's layout.
 PROCESS_SCHEMA = 1
-#: Seconds at least between two writes of one process's file.
-MIN_INTERVAL_S = 0.05
+#: Seconds at least between two samples of one process's figures: a burst of
+#: commits costs one write, not one each.
+MIN_INTERVAL_S = 0.2
 #: Seconds at most between two samples of the figures.
 RESAMPLE_S = 0.5
 
 #: A cache's figures from the cache: ``{"kind", "device", "device_uuid",
-#: "reserved_bytes", "committed_bytes", "physical_bytes", "asleep"}``, or None
-#: to be left out (a tensor that is part of a cache, a cache being freed).
+#: "state_dir", "reserved_bytes", "committed_bytes", "physical_bytes",
+#: "asleep"}``, or None to be left out (a tensor that is part of a cache, a
+#: cache being freed, one that has claimed nothing yet). ``state_dir`` is
+#: its budget's: only the publisher of that directory shows it.
 Figures = Callable[[Any], "dict[str, Any] | None"]
 
-_caches_lock = threading.Lock()
+#: Every registered cache, weakly, with its figures function. No lock: a
+#: buffer's finalizer may run on any thread at any allocation, so nothing
+#: here may wait for a lock that thread could hold; dict operations are
+#: atomic under the GIL, and dead entries are dropped as the figures are read.
 _caches: dict[int, tuple[weakref.ref[Any], Figures]] = {}
-_next_id = 0
+_ids = itertools.count()
 
 
 def register_cache(owner: object, figures: Figures) -> None:
     """Publish ``figures(owner)`` while ``owner`` lives (kept weakly)."""
-    global _next_id
-    with _caches_lock:
-        key = _next_id
-        _next_id += 1
-        _caches[key] = (weakref.ref(owner), figures)
-    weakref.finalize(owner, _unregister, key)
+    _caches[next(_ids)] = (weakref.ref(owner), figures)
     touch_all()
 
 
-def _unregister(key: int) -> None:
-    with _caches_lock:
-        _caches.pop(key, None)
-    touch_all()
-
-
-def all_figures() -> list[dict[str, Any]]:
-    """The figures of every live cache of this process."""
-    with _caches_lock:
-        sources = list(_caches.values())
+def all_figures(state_dir: Path) -> list[dict[str, Any]]:
+    """The figures of every live cache of this process that claims from a
+    budget in ``state_dir``."""
     found = []
-    for ref, figures in sources:
+    for key, (ref, figures) in _caches.copy().items():
         owner = ref()
         if owner is None:
+            _caches.pop(key, None)
             continue
         try:
             entry = figures(owner)
         except Exception:  # a cache being freed on another thread: left out this time
             continue
-        if entry is not None:
+        if entry is not None and entry.pop("state_dir") == str(state_dir):
             found.append(entry)
     return found
 
@@ -89,10 +85,12 @@ class Publisher:
         self._write_lock = threading.Lock()
 
     def touch(self) -> None:
-        """Mark the figures changed; the thread writes them soon."""
-        self._stale.set()
-        if self._thread is None:
-            self._start()
+        """Mark the figures changed; the thread writes them soon. Costs an
+        attribute read when they are marked already (every commit calls it)."""
+        if not self._stale.is_set():
+            self._stale.set()
+            if self._thread is None:
+                self._start()
 
     def _start(self) -> None:
         with self._start_lock:
@@ -127,7 +125,7 @@ class Publisher:
             "schema_version": PROCESS_SCHEMA,
             "pid": me.pid,
             "command": command_line(me.pid),
-            "caches": all_figures(),
+            "caches": all_figures(self.state_dir),
         }
 
     def write(self, record: dict[str, Any] | None = None) -> Path:
@@ -163,8 +161,7 @@ def touch_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _caches_lock, _publishers_lock
-    _caches_lock = threading.Lock()
+    global _publishers_lock
     _publishers_lock = threading.Lock()
     _publishers.clear()
 

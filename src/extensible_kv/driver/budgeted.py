@@ -3,9 +3,7 @@ across processes.
 
 :class:`BudgetDriver` claims the bytes of every ``create`` from the device's
 ledger (:mod:`extensible_kv.budget.ledger`) before calling the driver, and
-gives them back when the memory really goes: once the handle is released and
-its last mapping is unmapped (a released handle that is still mapped keeps
-its memory). A claim past the device's limit raises
+gives them back when the handle is released. A claim past the device's limit raises
 :class:`~extensible_kv.driver.BudgetExceededError` instead of calling the
 driver, so nothing changes below and the caller's rollback leaves its cache
 as it was. Handles a pool above keeps idle stay claimed, since they hold
@@ -28,10 +26,13 @@ from pathlib import Path
 from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.publish import Publisher, publisher
 from extensible_kv.budget.state_dir import state_dir
-from extensible_kv.driver.adaptors import DriverAdaptor, MappingLedger
-from extensible_kv.driver.protocol import Driver
+from extensible_kv.driver.adaptors import DriverAdaptor
+from extensible_kv.driver.pool import PoolingDriver
+from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
 
 _waits = threading.local()
+#: The protocol's calls a budget passes through untouched.
+_UNCHANGED = tuple(name for name in DRIVER_CALLS if name not in ("create", "release"))
 
 
 @contextmanager
@@ -41,9 +42,10 @@ def waiting_for_budget(timeout_s: float) -> Iterator[None]:
     give memory back (an engine waking while another goes to sleep), and
     only then raises :class:`~extensible_kv.driver.BudgetExceededError`.
 
-    Each handle's claim waits on its own: a commit of several handles holds
-    the ones it has while it waits for the next, and gives them all back if
-    it times out.
+    Under a limit, a tensor's or KV cache's commit claims its whole size at
+    once (:meth:`BudgetDriver.prepaid`), so it waits holding nothing. Under
+    a pool the handles claim one by one, and a waiting commit holds those
+    it has made while it waits for the next.
     """
     if not timeout_s >= 0:
         raise ValueError(f"timeout_s must be a non-negative number of seconds, got {timeout_s}")
@@ -67,20 +69,25 @@ class BudgetDriver(DriverAdaptor):
     def __init__(self, inner: Driver, *, state_dir: Path | None = None) -> None:
         super().__init__(inner)
         self._state_dir = state_dir
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards opening ledgers only
         self._ledgers: dict[int, Ledger] = {}
         self._publisher: Publisher | None = None
-        #: Live handles made here: their ledger and bytes, and whether released.
-        self._claimed: dict[int, tuple[Ledger, int]] = {}
-        self._released: set[int] = set()
-        self._mapped_at: MappingLedger[int] = MappingLedger()
-        self._mappings_of: dict[int, int] = {}
+        self._local = threading.local()
+        #: The handles made here and not released: their ledger and bytes. No
+        #: lock: one dict operation each, atomic under the GIL; so a buffer
+        #: dropped without free(), whose finalizer releases its memory at any
+        #: allocation on any thread, can never wait on a lock held below it.
+        self._claims: dict[int, tuple[Ledger, int]] = {}
         _instances.add(self)
+        # Every commit goes through here: the calls the budget leaves alone
+        # are the driver's own bound methods, set on the instance (which
+        # shadows the class's forwarding methods), so they cost no extra call.
+        for name in _UNCHANGED:
+            self.__dict__[name] = getattr(inner, name)
 
     def ledger(self, device: int) -> Ledger:
         """The budget ledger of ``device`` (an ordinal of this process)."""
-        with self._lock:
-            found = self._ledgers.get(device)
+        found = self._ledgers.get(device)  # entries are only ever added, under the lock
         if found is not None:
             return found
         where = self._state_dir or state_dir()
@@ -93,66 +100,74 @@ class BudgetDriver(DriverAdaptor):
             made.close()
         return found
 
-    def known_uuid(self, device: int) -> str | None:
-        """``device``'s UUID once a claim has opened its ledger, else None."""
-        with self._lock:
-            found = self._ledgers.get(device)
-        return None if found is None else found.device
+    def known_ledger(self, device: int) -> Ledger | None:
+        """``device``'s ledger once a claim has opened it, else None (calls
+        no driver, makes no file)."""
+        return self._ledgers.get(device)
 
-    def create(self, size: int, device: int, shareable: bool) -> int:
+    @contextmanager
+    def prepaid(self, device: int, size: int) -> Iterator[None]:
+        """Claim ``size`` bytes on ``device`` in one go for the creates this
+        thread makes within the block, which draw on them instead of claiming
+        one by one; what they leave goes back at the end.
+
+        A commit of many handles claims its whole size first, so under a
+        limit it is refused, or waits (:func:`waiting_for_budget`), before
+        it has made anything, and never holds part of its memory while it
+        waits for the rest. Not reentrant on one device.
+        """
+        balances = self._balances()
+        if device in balances:
+            raise RuntimeError(f"prepaid() is already open for device {device} on this thread")
         ledger = self.ledger(device)
         ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
+        balances[device] = size
+        try:
+            yield
+        finally:
+            ledger.give_back(balances.pop(device))
+
+    def _balances(self) -> dict[int, int]:
+        """This thread's prepaid bytes per device."""
+        found: dict[int, int] | None = getattr(self._local, "balances", None)
+        if found is None:
+            found = self._local.balances = {}
+        return found
+
+    def _draw(self, device: int, size: int) -> bool:
+        """Take ``size`` bytes from this thread's prepaid balance, if it holds them."""
+        balances: dict[int, int] | None = getattr(self._local, "balances", None)
+        if not balances or balances.get(device, 0) < size:
+            return False
+        balances[device] -= size
+        return True
+
+    def create(self, size: int, device: int, shareable: bool) -> int:
+        ledger = self._ledgers.get(device) or self.ledger(device)
+        prepaid = self._draw(device, size)
+        if not prepaid:
+            ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
         try:
             handle = self.inner.create(size, device, shareable)
         except BaseException:
-            ledger.give_back(size)
+            if prepaid:
+                self._balances()[device] += size
+            else:
+                ledger.give_back(size)
             raise
-        with self._lock:
-            self._claimed[handle] = (ledger, size)
+        self._claims[handle] = (ledger, size)
         self._touch()
         return handle
 
     def release(self, handle: int) -> None:
+        # The claim goes back with the handle. The protocol lets a handle be
+        # released while mapped, its memory going at the unmap; the library
+        # does that only just before unmapping it (a discard), so the claim
+        # is early by one driver call at most.
         self.inner.release(handle)
-        with self._lock:
-            gone = self._forget(handle, released=True)
-        self._give_back(gone)
-
-    def map(self, ptr: int, size: int, handle: int) -> None:
-        self.inner.map(ptr, size, handle)
-        with self._lock:
-            if handle in self._claimed:
-                self._mapped_at.add(ptr, handle)
-                self._mappings_of[handle] = self._mappings_of.get(handle, 0) + 1
-
-    def unmap(self, ptr: int, size: int) -> None:
-        self.inner.unmap(ptr, size)
-        gone = []
-        with self._lock:
-            for handle in self._mapped_at.pop_within(ptr, size):
-                left = self._mappings_of.pop(handle) - 1
-                if left:
-                    self._mappings_of[handle] = left
-                else:
-                    gone.extend(self._forget(handle, released=False))
-        self._give_back(gone)
-
-    def _forget(self, handle: int, released: bool) -> list[tuple[Ledger, int]]:
-        """Drop ``handle`` from the books once it is released and unmapped;
-        the claim to give back, if it is (caller holds the lock)."""
-        if handle not in self._claimed:
-            return []
-        if released:
-            self._released.add(handle)
-        if handle not in self._released or self._mappings_of.get(handle):
-            return []
-        self._released.discard(handle)
-        return [self._claimed.pop(handle)]
-
-    def _give_back(self, claims: list[tuple[Ledger, int]]) -> None:
-        for ledger, size in claims:
-            ledger.give_back(size)
-        if claims:
+        claim = self._claims.pop(handle, None)
+        if claim is not None:
+            claim[0].give_back(claim[1])
             self._touch()
 
     def _touch(self) -> None:
@@ -169,6 +184,19 @@ def find_budget(driver: object) -> BudgetDriver | None:
     return None
 
 
+def prepaying_budget(driver: object) -> BudgetDriver | None:
+    """The :class:`BudgetDriver` a commit through ``driver`` may prepay, or
+    None: none in the chain, or a pool above it, whose idle handles (claimed
+    already) may serve the commit, so that prepaying would claim twice."""
+    while driver is not None:
+        if isinstance(driver, PoolingDriver):
+            return None
+        if isinstance(driver, BudgetDriver):
+            return driver
+        driver = getattr(driver, "inner", None)
+    return None
+
+
 _instances: weakref.WeakSet[BudgetDriver] = weakref.WeakSet()
 
 
@@ -178,10 +206,8 @@ def _after_fork_in_child() -> None:
         driver._lock = threading.Lock()
         driver._ledgers.clear()
         driver._publisher = None
-        driver._claimed.clear()
-        driver._released.clear()
-        driver._mapped_at = MappingLedger()
-        driver._mappings_of.clear()
+        driver._local = threading.local()
+        driver._claims.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

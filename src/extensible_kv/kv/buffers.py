@@ -20,7 +20,7 @@ from extensible_kv.driver.pool import fill_pools_in_background
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
-    budget_device,
+    budget_figures,
     defragment_all,
     in_one_chunk_per_segment,
     release_physical_all,
@@ -69,13 +69,13 @@ def _published(cache: KVCacheBuffers) -> dict[str, Any] | None:
     if cache._freed or not cache.buffers:
         return None
     first = cache.buffers[0][0]
-    uuid = budget_device(first)
-    if uuid is None:
+    where = budget_figures(first)
+    if where is None:
         return None
     return {
         "kind": "KVCacheBuffers",
         "device": str(first.device),
-        "device_uuid": uuid,
+        **where,
         "reserved_bytes": cache.reserved_bytes,
         "committed_bytes": cache.committed_bytes,
         "physical_bytes": cache.physical_bytes,
