@@ -63,6 +63,8 @@ def render(state: dict[str, Any], names: dict[str, str] | None = None) -> Render
             table.add_column(column, justify="left" if column in ("command", "cache") else "right")
         table.add_column("asleep")
         table.add_column("claimed", justify="right")
+        if not device["processes"]:
+            table.caption = "no live process holds memory here"
         for process in device["processes"]:
             caches = process["caches"] or [None]
             for index, cache in enumerate(caches):
