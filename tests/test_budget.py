@@ -210,6 +210,22 @@ def test_a_limit_must_be_positive(state: Path) -> None:
     ledger.close()
 
 
+def test_limits_by_device_name(state: Path) -> None:
+    from extensible_kv.limits import all_limits, device_limit, set_device_limit
+
+    assert device_limit("cpu").bytes is None
+    written = set_device_limit("cpu", "25%")
+    assert written.bytes == (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4
+    assert device_limit(torch.device("cpu")) == written
+    assert set_device_limit("cpu", 64 * MiB, expect_revision=1).revision == 2
+    with pytest.raises(TypeError, match="limit must be an int"):
+        set_device_limit("cpu", True)
+    with pytest.raises(ValueError, match="device type 'tpu' is not supported"):
+        set_device_limit("tpu", "1GiB")
+    assert set_device_limit("cpu", "off").bytes is None
+    assert list(all_limits().values()) == [device_limit("cpu")]
+
+
 def test_bytes_print_in_binary_units() -> None:
     assert [format_bytes(n) for n in (0, 1023, 1024, 1536 * MiB, 5 << 40)] == [
         "0 B",

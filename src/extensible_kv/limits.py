@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from extensible_kv._checks import check_int
 from extensible_kv.budget import Ledger, Limit, parse_size, state_dir
 from extensible_kv.budget.snapshot import read_ledgers
 from extensible_kv.driver import get_driver, parse_device
@@ -77,6 +78,8 @@ def set_device_limit(
     named = named_device(device)
     if isinstance(limit, str):
         limit = None if limit == "off" else parse_size(limit, total_bytes(named))
+    elif limit is not None:
+        check_int("limit", limit)
     ledger = Ledger(state_dir(), named.uuid)
     try:
         return ledger.set_limit(limit, expect_revision)
