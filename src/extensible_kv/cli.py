@@ -534,9 +534,9 @@ def _parser() -> argparse.ArgumentParser:
     lim = commands.add_parser(
         "limit",
         help="show or set a device's memory limit, shared by every process",
-        description="Limit the memory every process of this user may claim on a device "
-        "together; with no argument, show the limits. A limit below what is claimed "
-        "refuses new claims until enough is given back.",
+        description="Limit the memory every process of this user may claim on a device\n"
+        "together; with no argument, show the limits. A limit below what is\n"
+        "claimed refuses new claims until enough is given back.",
         formatter_class=_Formatter,
     )
     lim.add_argument("device", nargs="?", metavar="DEVICE", help="cpu, cuda:N or a device UUID")
@@ -554,6 +554,8 @@ def _parser() -> argparse.ArgumentParser:
     t = commands.add_parser(
         "top",
         help="every process's caches and claims, per device, live (q quits)",
+        description="Every process's caches and claims, per device, refreshed four times\n"
+        "a second; q quits.",
         formatter_class=_Formatter,
     )
     t.add_argument("--once", action="store_true", help="print one snapshot and exit")
