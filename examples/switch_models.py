@@ -218,14 +218,21 @@ class Engine:
             self.process.wait()
 
 
-def claims(state_dir: Path, engines: list[Engine]) -> str:
-    from extensible_kv.budget import format_bytes, snapshot
+def held(state_dir: Path) -> tuple[dict[int, int], int]:
+    """Each process's claim on the host, by pid, and the host's limit (0: none)."""
+    from extensible_kv.budget import snapshot
 
     (device,) = [d for d in snapshot(state_dir)["devices"] if d["type"] == "cpu"]
-    held = {p["pid"]: p["claimed_bytes"] for p in device["processes"]}
+    return {p["pid"]: p["claimed_bytes"] for p in device["processes"]}, device["limit_bytes"] or 0
+
+
+def claims(state_dir: Path, engines: list[Engine]) -> str:
+    from extensible_kv.budget import format_bytes
+
+    by_pid, limit = held(state_dir)
     return (
-        ", ".join(f"{e.name} {format_bytes(held.get(e.process.pid, 0)):>9}" for e in engines)
-        + f" of {format_bytes(device['limit_bytes'] or 0)}"
+        ", ".join(f"{e.name} {format_bytes(by_pid.get(e.process.pid, 0)):>9}" for e in engines)
+        + f" of {format_bytes(limit)}"
     )
 
 
@@ -256,7 +263,7 @@ def switch(kind: str, kv_bytes: int, state_dir: Path) -> bool:
     try:
         a = Engine("A", kind, 0, kv_bytes, state_dir)
         engines.append(a)
-        limit = set_device_limit("cpu", int(1.5 * _claimed(state_dir, a)))
+        limit = set_device_limit("cpu", int(1.5 * held(state_dir)[0][a.process.pid]))
         print(f"  A start  {a.started['seconds']:8.2f} s    {claims(state_dir, engines)}")
         step(a, "serve")
         step(a, "sleep")
@@ -284,16 +291,6 @@ def switch(kind: str, kv_bytes: int, state_dir: Path) -> bool:
             engine.stop()
     print("ok: every serve's tokens were right" if ok else "FAILED: see above")
     return ok
-
-
-def _claimed(state_dir: Path, engine: Engine) -> int:
-    from extensible_kv.budget import snapshot
-
-    for device in snapshot(state_dir)["devices"]:
-        for process in device["processes"]:
-            if process["pid"] == engine.process.pid:
-                return int(process["claimed_bytes"])
-    raise RuntimeError(f"engine {engine.name} claims nothing")
 
 
 def main() -> int:

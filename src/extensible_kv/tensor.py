@@ -637,31 +637,39 @@ class ExtensibleTensor:
         return (self._buffer.driver.dlpack_device_type, self._buffer.device)
 
 
-def budget_figures(tensor: ExtensibleTensor) -> dict[str, str] | None:
-    """Where ``tensor`` claims from, once it has claimed: the device's UUID
-    and the budget's state directory; None if its driver has no budget."""
+def published_figures(
+    tensor: ExtensibleTensor, kind: str, **figures: object
+) -> dict[str, Any] | None:
+    """What ``extensible-kv top`` shows of a cache whose memory ``tensor``
+    holds (or the first of its tensors): ``kind``, the device and where it
+    claims from, then ``figures``; None while its driver has no budget or
+    it has claimed nothing yet (calls no driver)."""
     budget = find_budget(tensor.buffer.driver)
     ledger = None if budget is None else budget.known_ledger(tensor.buffer.device)
     if ledger is None:
         return None
-    return {"device_uuid": ledger.device, "state_dir": str(ledger.state_dir)}
+    return {
+        "kind": kind,
+        "device": str(tensor.device),
+        "device_uuid": ledger.device,
+        "state_dir": str(ledger.state_dir),
+        **figures,
+    }
 
 
 def _published(tensor: ExtensibleTensor) -> dict[str, Any] | None:
     """What ``extensible-kv top`` shows of a tensor that no KV cache owns."""
     owner = tensor._cache
-    where = budget_figures(tensor)
-    if where is None or tensor.buffer.freed or (owner is not None and owner() is not None):
+    if tensor.buffer.freed or (owner is not None and owner() is not None):
         return None
-    return {
-        "kind": "ExtensibleTensor",
-        "device": str(tensor.device),
-        **where,
-        "reserved_bytes": tensor.capacity_bytes,
-        "committed_bytes": tensor.num_bytes,
-        "physical_bytes": tensor.physical_bytes,
-        "asleep": None,
-    }
+    return published_figures(
+        tensor,
+        "ExtensibleTensor",
+        reserved_bytes=tensor.capacity_bytes,
+        committed_bytes=tensor.num_bytes,
+        physical_bytes=tensor.physical_bytes,
+        asleep=None,
+    )
 
 
 def resize_per_segment_all(

@@ -83,6 +83,7 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._write_lock = threading.Lock()
+        self._command: str | None = None
 
     def touch(self) -> None:
         """Mark the figures changed; the thread writes them soon. Costs an
@@ -121,10 +122,12 @@ class Publisher:
     def record(self) -> dict[str, Any]:
         """What this process publishes now."""
         me = this_process(self.state_dir)
+        if self._command is None:  # the process's command line does not change
+            self._command = command_line(me.pid)
         return {
             "schema_version": PROCESS_SCHEMA,
             "pid": me.pid,
-            "command": command_line(me.pid),
+            "command": self._command,
             "caches": all_figures(self.state_dir),
         }
 

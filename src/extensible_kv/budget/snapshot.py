@@ -57,17 +57,22 @@ def read_processes(state_dir: Path) -> dict[ProcessId, dict[str, Any]]:
     """What every live process published, by its id; the files of dead
     processes are removed on the way."""
     prepare(state_dir)
-    found: dict[ProcessId, dict[str, Any]] = {}
+    files: dict[ProcessId, list[Path]] = {}
     for path in sorted((state_dir / "procs").iterdir()):
         if path.name.startswith("."):  # a file being written
             continue
         process = ProcessId.from_stem(path.stem)
         if process is None or path.suffix not in (".json", ".lock"):
             raise _foreign(path, "is not a process's file (<pid>-<token>.json or .lock)")
+        files.setdefault(process, []).append(path)
+    found: dict[ProcessId, dict[str, Any]] = {}
+    for process, paths in files.items():
         if not is_alive(state_dir, process):
             forget_dead(state_dir, process)
-        elif path.suffix == ".json":
-            found[process] = _read_record(path, process)
+            continue
+        for path in paths:
+            if path.suffix == ".json":
+                found[process] = _read_record(path, process)
     return found
 
 

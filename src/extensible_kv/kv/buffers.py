@@ -20,9 +20,9 @@ from extensible_kv.driver.pool import fill_pools_in_background
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
-    budget_figures,
     defragment_all,
     in_one_chunk_per_segment,
+    published_figures,
     release_physical_all,
     remap_per_segment_all,
     resize_per_segment_all,
@@ -68,21 +68,16 @@ def _published(cache: KVCacheBuffers) -> dict[str, Any] | None:
     """What ``extensible-kv top`` shows of a KV cache."""
     if cache._freed or not cache.buffers:
         return None
-    first = cache.buffers[0][0]
-    where = budget_figures(first)
-    if where is None:
-        return None
-    return {
-        "kind": "KVCacheBuffers",
-        "device": str(first.device),
-        **where,
-        "reserved_bytes": cache.reserved_bytes,
-        "committed_bytes": cache.committed_bytes,
-        "physical_bytes": cache.physical_bytes,
-        "asleep": cache.released,
-        "blocks": cache.num_blocks_committed,
-        "capacity_blocks": cache.num_blocks_capacity,
-    }
+    return published_figures(
+        cache.buffers[0][0],
+        "KVCacheBuffers",
+        reserved_bytes=cache.reserved_bytes,
+        committed_bytes=cache.committed_bytes,
+        physical_bytes=cache.physical_bytes,
+        asleep=cache.released,
+        blocks=cache.num_blocks_committed,
+        capacity_blocks=cache.num_blocks_capacity,
+    )
 
 
 class ConnectorRegistrationWarning(UserWarning):
