@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pty
+import queue
 import select
 import signal
 import subprocess
@@ -45,6 +46,15 @@ class Child:
             text=True,
             env=env,
         )
+        # Lines are read on a thread: a select on the pipe would miss a line
+        # that an earlier readline already took into the file's buffer.
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
 
     @property
     def pid(self) -> int:
@@ -52,10 +62,10 @@ class Child:
 
     def expect(self, word: str) -> str:
         """The child's next line, which must start with ``word``."""
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], PATIENCE_S)
-        assert ready, f"the child said nothing for {PATIENCE_S} s"
-        line = self.process.stdout.readline().strip()
+        try:
+            line = self.lines.get(timeout=PATIENCE_S).strip()
+        except queue.Empty:
+            raise AssertionError(f"the child said nothing for {PATIENCE_S} s") from None
         assert line.startswith(word), f"expected {word!r} from the child, got {line!r}"
         return line[len(word) :].strip()
 
