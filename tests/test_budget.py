@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,7 @@ from extensible_kv.budget import (
 )
 from extensible_kv.budget.publish import publisher
 from extensible_kv.cli import main
-from extensible_kv.driver import backend
+from extensible_kv.driver import Driver, DriverAdaptor, backend
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -360,3 +362,122 @@ def test_top_shows_this_processs_caches(
     assert str(os.getpid()) in table
     cache.free()
     lone.free()
+
+
+def _fill(cache: KVCacheBuffers, num_blocks: int) -> list[torch.Tensor]:
+    """Each segment's first ``num_blocks`` blocks, filled with its own number."""
+    views = [t.segment(s)[: num_blocks * BLOCK] for t, _ in cache.buffers for s in range(2)]
+    for index, view in enumerate(views):
+        view.fill_(index + 1)
+    return views
+
+
+def _intact(views: list[torch.Tensor]) -> bool:
+    return all(bool((view == index + 1).all()) for index, view in enumerate(views))
+
+
+def test_a_refused_wake_to_more_blocks_leaves_the_cache_asleep_with_its_copy(
+    budget: BudgetDriver,
+) -> None:
+    # Item 4: the restore and the growth past it are claimed together.
+    ledger = budget.ledger(0)
+    cache = _cache(budget)
+    cache.commit(8)
+    views = _fill(cache, 8)
+    cache.release_physical(preserve=True)
+    # On the host the copy is host memory too, claimed (8 MiB) while asleep:
+    # the restore (8 MiB more) fits, 24 blocks (24 MiB more) do not.
+    ledger.set_limit(20 * MiB)
+    with pytest.raises(BudgetExceededError):
+        cache.recommit(num_blocks=24)
+    assert cache.released
+    assert (cache.physical_bytes, ledger.held, cache.num_blocks_committed) == (0, 0, 0)
+    assert cache.host_backup_bytes > 0
+    ledger.set_limit(None)
+    cache.recommit(num_blocks=24)
+    assert (cache.num_blocks_committed, cache.physical_bytes) == (24, 24 * MiB)
+    assert _intact(views)
+    cache.free()
+
+
+def test_a_refused_commit_while_asleep_with_a_copy_leaves_it_asleep(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    cache = _cache(budget)
+    cache.commit(8)
+    views = _fill(cache, 8)
+    cache.release_physical(preserve=True)
+    ledger.set_limit(20 * MiB)  # as above: the restore fits, 24 blocks do not
+    with pytest.raises(BudgetExceededError):
+        cache.commit(24)
+    assert cache.released and cache.physical_bytes == ledger.held == 0
+    ledger.set_limit(None)
+    cache.commit(24)
+    assert cache.physical_bytes == 24 * MiB and _intact(views)
+    cache.free()
+
+
+@pytest.mark.parametrize("limit", [24 * MiB, 6 * MiB], ids=["full", "lowered-below-the-claims"])
+def test_a_trim_is_never_refused_by_the_budget(budget: BudgetDriver, limit: int) -> None:
+    # Item 5: each segment is one 3-granule chunk; trimming to 9 blocks copies
+    # two granules of it, which replace the chunk: that is not new memory.
+    ledger = budget.ledger(0)
+    cache = _cache(budget)
+    cache.commit(24)
+    assert all(len(t.buffer.chunks) == 2 for t, _ in cache.buffers)
+    views = _fill(cache, 9)
+    ledger.set_limit(limit)
+    cache.trim(9)
+    assert cache.num_blocks_committed == 9
+    assert cache.physical_bytes == ledger.held == 4 * 2 * GRANULE
+    assert _intact(views)
+    assert ledger.read().claimed_bytes == ledger.held
+    if limit < ledger.held:  # still over a lowered limit: trimming further works too
+        cache.trim(0)
+        assert cache.physical_bytes == ledger.held == 0
+    cache.free()
+
+
+class _ReusingHandles(DriverAdaptor):
+    """Test adaptor below the budget, at the driver boundary: it hands out the
+    lowest free handle value, as a driver may reuse a released handle's value
+    (CUDA may; the host backend never does), and runs ``after_release``
+    between a release and its return."""
+
+    def __init__(self, inner: Driver) -> None:
+        super().__init__(inner)
+        self._names: dict[int, int] = {}
+        self.after_release: Callable[[], None] | None = None
+
+    def create(self, size: int, device: int, shareable: bool) -> int:
+        handle = self.inner.create(size, device, shareable)
+        value = min(set(range(1, len(self._names) + 2)) - set(self._names))
+        self._names[value] = handle
+        return value
+
+    def release(self, handle: int) -> None:
+        self.inner.release(self._names.pop(handle))
+        hook, self.after_release = self.after_release, None
+        if hook is not None:
+            hook()
+
+
+def test_a_handle_value_given_out_again_at_once_keeps_each_claim(state: Path) -> None:
+    # Another thread's create that lands between a release and its return,
+    # and gets the released value, keeps its own claim.
+    reusing = _ReusingHandles(backend("cpu"))
+    budget = BudgetDriver(reusing, state_dir=state)
+    ledger = budget.ledger(0)
+    first = budget.create(GRANULE, 0, False)
+    made: list[int] = []
+
+    def create_beside() -> None:
+        thread = threading.Thread(target=lambda: made.append(budget.create(2 * GRANULE, 0, False)))
+        thread.start()
+        thread.join(30)
+
+    reusing.after_release = create_beside
+    budget.release(first)
+    assert made == [first]  # the same value, for another allocation
+    assert ledger.held == 2 * GRANULE
+    budget.release(made[0])
+    assert ledger.held == 0

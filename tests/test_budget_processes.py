@@ -17,15 +17,21 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from extensible_kv import BudgetDriver, BudgetExceededError, ExtensibleTensor, waiting_for_budget
+from extensible_kv import (
+    BudgetDriver,
+    BudgetExceededError,
+    ExtensibleTensor,
+    KVCacheBuffers,
+    waiting_for_budget,
+)
 from extensible_kv.budget import Ledger
 from extensible_kv.cli import main
-from extensible_kv.driver import backend
+from extensible_kv.driver import DriverAdaptor, backend
 
 MiB = 1 << 20
 UUID = backend("cpu").device_uuid(0)
@@ -419,3 +425,164 @@ def test_the_live_view_refreshes_and_quits_on_q(state: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         os.close(fd)
+
+
+#: A process with a cache of ``BLOCK``-byte blocks, two buffers of two
+#: segments (as a K/V-split model of two layers), on a budget over a test
+#: adaptor at the driver boundary that can stop it at a create.
+PAUSABLE = """
+    import sys
+    from extensible_kv import (
+        BudgetDriver, BudgetExceededError, ExtensibleTensor, KVCacheBuffers, waiting_for_budget,
+    )
+    from extensible_kv.driver import DriverAdaptor, backend
+
+    BLOCK = 256 << 10
+
+    class PauseAtCreate(DriverAdaptor):
+        # Stops at its next create once armed (a driver slow to create),
+        # says so, and goes on when told.
+        armed = False
+
+        def create(self, size, device, shareable):
+            if self.armed:
+                self.armed = False
+                print("creating", flush=True)
+                assert sys.stdin.readline().strip() == "go"
+            return self.inner.create(size, device, shareable)
+
+    pause = PauseAtCreate(backend("cpu"))
+    budget = BudgetDriver(pause)
+    tensors = [
+        ExtensibleTensor(64 * BLOCK * 2, "cpu", num_segments=2, driver=budget) for _ in range(2)
+    ]
+    cache = KVCacheBuffers([(t, BLOCK) for t in tensors], 64)
+    views = [t.segment(s) for t in tensors for s in range(2)]
+
+    def intact(blocks):
+        return all(bool((v[: blocks * BLOCK] == i + 1).all()) for i, v in enumerate(views))
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        verb, *args = line.split()
+        try:
+            if verb == "commit":
+                cache.commit(int(args[0]))
+                for i, view in enumerate(views):
+                    view[: int(args[0]) * BLOCK].fill_(i + 1)
+            elif verb == "sleep":
+                cache.release_physical(preserve=True)
+            elif verb == "wake":
+                pause.armed = True
+                with waiting_for_budget(float(args[0])):
+                    cache.recommit()
+                print("intact", intact(cache.num_blocks_committed), flush=True)
+            print("done", cache.physical_bytes, flush=True)
+        except BudgetExceededError:
+            print("refused", flush=True)
+"""
+
+#: A process that commits when told, waiting for the budget as told.
+CLAIMER = """
+    import sys
+    from extensible_kv import BudgetExceededError, ExtensibleTensor, waiting_for_budget
+
+    tensor = ExtensibleTensor(256 << 20, "cpu")
+    print("ready", flush=True)
+    for line in sys.stdin:
+        mib, wait_s = line.split()
+        try:
+            with waiting_for_budget(float(wait_s)):
+                tensor.resize_per_segment_(int(mib) << 20)
+            print("done", tensor.physical_bytes, flush=True)
+        except BudgetExceededError:
+            print("refused", flush=True)
+"""
+
+
+class _BeforeCreate(DriverAdaptor):
+    """Test adaptor below the budget, at the driver boundary: runs
+    ``before_create`` once, before the next create reaches the driver."""
+
+    before_create: Callable[[], None] | None = None
+
+    def create(self, size: int, device: int, shareable: bool) -> int:
+        hook, self.before_create = self.before_create, None
+        if hook is not None:
+            hook()
+        return self.inner.create(size, device, shareable)
+
+
+def test_a_defragment_cannot_lose_its_room_to_another_process(
+    state: Path, children: list[Child]
+) -> None:
+    # Item 1: a defragmenting commit releases its memory before it creates
+    # the new chunks; another process waiting for room must not get it then.
+    block = 256 << 10
+    hook = _BeforeCreate(backend("cpu"))
+    budget = BudgetDriver(hook, state_dir=state)
+    tensors = [
+        ExtensibleTensor(64 * block * 2, "cpu", num_segments=2, driver=budget) for _ in range(2)
+    ]
+    cache = KVCacheBuffers([(t, block) for t in tensors], 64)
+    cache.commit(8)
+    cache.commit(24)  # two chunks per segment: the defragment has work to do
+    addresses = cache.base_ptrs
+    ledger = _ledger(state)
+    ledger.set_limit(24 * MiB)  # exactly what this process holds
+    claimer = Child(state, CLAIMER)
+    children.append(claimer)
+    claimer.expect("ready")
+    answers: list[str] = []
+
+    def another_process_claims() -> None:  # the old memory is released by now
+        claimer.tell("8 1")
+        answers.append(claimer.lines.get(timeout=PATIENCE_S).strip())
+
+    hook.before_create = another_process_claims
+    cache.commit(24, defragment=True)
+    assert answers == ["refused"]  # the room stayed this commit's
+    assert (cache.num_blocks_committed, cache.physical_bytes) == (24, 24 * MiB)
+    assert all(len(t.buffer.chunks) == 2 for t in tensors)  # one per segment
+    assert cache.base_ptrs == addresses
+    assert ledger.read().claimed_bytes == budget.ledger(0).held == 24 * MiB
+    committed = [t.segment(s)[: 24 * block] for t in tensors for s in range(2)]
+    assert all(bool((view == 0).all()) for view in committed)  # defragmented: zeros
+    cache.free()
+
+
+def test_two_engines_waking_together_do_not_wait_on_each_other(
+    state: Path, children: list[Child]
+) -> None:
+    # Item 3: a preserving wake commits buffer by buffer but claims its whole
+    # size at once, so a wake waiting for room holds none of it.
+    engines = [Child(state, PAUSABLE) for _ in range(2)]
+    children.extend(engines)
+    for engine in engines:
+        engine.expect("ready")
+        engine.tell("commit 16")  # 16 MiB: 4 segments of 4 MiB
+        assert engine.expect("done") == str(16 * MiB)
+        engine.tell("sleep")
+        assert engine.expect("done") == "0"
+    ledger = _ledger(state)
+    # Asleep, each holds its 16 MiB host copy (host memory, claimed on the
+    # host). One wake (16 MiB more) fits; two, or two halves and one more
+    # half, do not.
+    assert ledger.read().claimed_bytes == 32 * MiB
+    ledger.set_limit(52 * MiB)
+    first, second = engines
+    first.tell(f"wake {PATIENCE_S}")
+    first.expect("creating")  # stopped at its first create, its claim made
+    second.tell(f"wake {PATIENCE_S}")
+    with pytest.raises(queue.Empty):  # it waits for room before creating anything
+        second.lines.get(timeout=1.0)
+    claims = {p.pid: c for p, c in ledger.read().claims.items()}
+    assert claims == {first.pid: 32 * MiB, second.pid: 16 * MiB}  # second: its copy only
+    first.tell("go")
+    assert first.expect("intact") == "True"
+    assert first.expect("done") == str(16 * MiB)
+    second.expect("creating")  # the first's copy went back: room for the second
+    second.tell("go")
+    assert second.expect("intact") == "True"
+    assert second.expect("done") == str(16 * MiB)
+    assert ledger.read().claimed_bytes == 32 * MiB <= 52 * MiB

@@ -683,7 +683,7 @@ def resize_per_segment_all(
     with hold_locks(tensor._buffer for tensor, _ in items):
         plans = [(tensor, n, *tensor._grow_plan(n, zero_new)) for tensor, n in items]
         requests = [(tensor._buffer, ranges) for tensor, _, ranges, _ in plans]
-        with _claimed_at_once(requests):
+        with _budgeted([(b, sum(b.chunk_sizes(ranges)), 0) for b, ranges in requests]):
             mapped = commit_together(requests)
         for (tensor, n, ranges, to_zero), runs in zip(plans, mapped, strict=True):
             if ranges:
@@ -692,25 +692,41 @@ def resize_per_segment_all(
             tensor._zero_tails(within=runs)
 
 
-def _claimed_at_once(
-    requests: Sequence[tuple[VirtualBuffer, list[tuple[int, int]]]],
+def claimed_at_once(
+    items: Sequence[tuple[ExtensibleTensor, int]],
 ) -> contextlib.AbstractContextManager[object]:
-    """Claim what committing ``requests`` will create from each limited
-    device's budget before creating any of it (:meth:`BudgetDriver.prepaid`).
-    Without a limit a claim can neither fail nor wait, so the creates claim
-    one by one and the commit costs no more than that."""
-    totals: dict[tuple[BudgetDriver, int], int] = {}
-    for buffer, ranges in requests:
+    """Claim at once what growing each tensor to its ``bytes_per_segment``
+    will create, for work that grows them one at a time (a wake restoring
+    buffer by buffer): under a limit it is refused, or waits, before any of
+    it is made, and holds nothing while it waits. Validates the sizes."""
+    with hold_locks(tensor._buffer for tensor, _ in items):
+        plans = [(tensor._buffer, tensor._grow_plan(n, False)[0]) for tensor, n in items]
+        sizes = [(buffer, sum(buffer.chunk_sizes(ranges))) for buffer, ranges in plans]
+    return _budgeted([(buffer, size, 0) for buffer, size in sizes if size])
+
+
+def _budgeted(
+    items: Sequence[tuple[VirtualBuffer, int, int]],
+) -> contextlib.AbstractContextManager[object]:
+    """One budget account (:meth:`BudgetDriver.prepaid`) per limited device
+    for the work on ``items``: ``(buffer, bytes it creates beyond what it
+    releases, bytes of credit)``; a device's sum, if positive, is claimed up
+    front. What the work releases stays its own until it ends. Without
+    a limit a claim can neither fail nor wait, so the creates claim one by
+    one and the work costs no more than that."""
+    totals: dict[tuple[BudgetDriver, int], tuple[int, int]] = {}
+    for buffer, size, credit in items:
         budget = prepaying_budget(buffer.driver)
-        if budget is not None and ranges and budget.ledger(buffer.device).limited:
+        if budget is not None and budget.ledger(buffer.device).limited:
             key = (budget, buffer.device)
-            totals[key] = totals.get(key, 0) + sum(buffer.chunk_sizes(ranges))
+            claimed, credited = totals.get(key, (0, 0))
+            totals[key] = (claimed + size, credited + credit)
     if not totals:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     try:
-        for (budget, device), size in totals.items():
-            stack.enter_context(budget.prepaid(device, size))
+        for (budget, device), (size, credit) in totals.items():
+            stack.enter_context(budget.prepaid(device, max(0, size), credit=credit))
     except BaseException:
         stack.close()
         raise
@@ -766,11 +782,15 @@ def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int
             remaps = tensor._buffer.plan_remaps(tensor._segment_ranges(0, n), merge=False)
             doomed.append((tensor._buffer, [c for r in remaps if not r.runs for c in r.old]))
             plans.append((tensor, [r for r in remaps if r.runs]))
-        stagings = _stage_all(plans)
+        # The copies of the chunks cut through replace them: they are
+        # claimed as credit, so a cache can trim under a full or lowered limit.
+        copies = [(t._buffer, 0, sum(n for r in rs for _, n in r.runs)) for t, rs in plans]
         try:
-            swap_in_together(
-                [(tensor._buffer, staging) for tensor, staging in stagings], doomed=doomed
-            )
+            with _budgeted(copies):
+                stagings = _stage_all(plans)
+                swap_in_together(
+                    [(tensor._buffer, staging) for tensor, staging in stagings], doomed=doomed
+                )
         except BaseException:
             # Past the point of no return the shrink is done, error or not.
             if sum(tensor.physical_bytes for tensor, _ in items) < before:
@@ -868,10 +888,12 @@ def _defragment(tensors: Sequence[ExtensibleTensor], preserve: bool) -> None:
         return
     prefixes = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
     synchronize_buffers(tensor._buffer for tensor in tensors)
-    released = release_outside_together(
-        [(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)], synchronized=True
-    )
-    _remap_all(list(zip(tensors, prefixes, strict=True)), merge=True, headroom=released)
+    # What the release gives back stays this defragment's for its new chunks.
+    with _budgeted([(tensor._buffer, 0, 0) for tensor in tensors]):
+        released = release_outside_together(
+            [(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)], synchronized=True
+        )
+        _remap_all(list(zip(tensors, prefixes, strict=True)), merge=True, headroom=released)
 
 
 def remap_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
@@ -904,6 +926,11 @@ def in_one_chunk_per_segment(tensor: ExtensibleTensor) -> bool:
     return all((start, end) in chunks for start, end in runs) and len(chunks) == len(runs)
 
 
+def _granule_bytes(buffer: VirtualBuffer, ranges: Sequence[tuple[int, int]]) -> int:
+    """Bytes of the granules covering ``ranges`` in ``buffer``."""
+    return sum(end - start for start, end in buffer.granules_covering(ranges))
+
+
 def _late_failure(
     tensors: Sequence[ExtensibleTensor],
     old: Sequence[list[tuple[int, int]]],
@@ -925,9 +952,18 @@ def _remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
     old = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
     new = [tensor._segment_ranges(0, size) for tensor, size in items]
     layouts = [tensor._buffer.chunks for tensor in tensors]
+    # The new chunks are claimed before the old memory goes, and the old
+    # memory's claim stays this remap's until it ends: another process cannot
+    # take the room between the release and the creates, so a refusal comes
+    # first, with nothing changed, and the old layout can always come back.
+    growth = [
+        (t._buffer, _granule_bytes(t._buffer, r) - t._buffer.physical_bytes, 0)
+        for t, r in zip(tensors, new, strict=True)
+    ]
     finished = False
     try:
-        defragment_together([(t._buffer, r) for t, r in zip(tensors, new, strict=True)])
+        with _budgeted(growth):
+            defragment_together([(t._buffer, r) for t, r in zip(tensors, new, strict=True)])
         finished = True
     finally:
         done = finished or _late_failure(tensors, old, new)

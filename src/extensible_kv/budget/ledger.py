@@ -186,6 +186,12 @@ class Ledger:
                 raise self._refusal(size)
             time.sleep(POLL_S)
 
+    def claim_unchecked(self, size: int) -> None:
+        """Claim ``size`` bytes without the limit's check: only for memory the
+        caller gives back before it is done (see ``BudgetDriver.prepaid``)."""
+        with self._mutex:
+            self._claims[self._own_slot()] += size
+
     def give_back(self, size: int) -> None:
         """Return ``size`` bytes of this process's claim (memory freed)."""
         with self._mutex:

@@ -21,12 +21,14 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.publish import Publisher, publisher
 from extensible_kv.budget.state_dir import state_dir
 from extensible_kv.driver.adaptors import DriverAdaptor
+from extensible_kv.driver.errors import BudgetExceededError
 from extensible_kv.driver.pool import PoolingDriver
 from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
 
@@ -55,6 +57,16 @@ def waiting_for_budget(timeout_s: float) -> Iterator[None]:
         yield
     finally:
         _waits.timeout_s = before
+
+
+@dataclass
+class _Account:
+    """One thread's open :meth:`BudgetDriver.prepaid` block on one device:
+    bytes claimed and not yet drawn, and bytes it may still claim without
+    the limit's check."""
+
+    balance: int
+    credit: int
 
 
 class BudgetDriver(DriverAdaptor):
@@ -106,52 +118,89 @@ class BudgetDriver(DriverAdaptor):
         return self._ledgers.get(device)
 
     @contextmanager
-    def prepaid(self, device: int, size: int) -> Iterator[None]:
-        """Claim ``size`` bytes on ``device`` in one go for the creates this
-        thread makes within the block, which draw on them instead of claiming
-        one by one; what they leave goes back at the end.
+    def prepaid(self, device: int, size: int, *, credit: int = 0) -> Iterator[None]:
+        """Open this thread's account on ``device`` for one piece of work
+        (a commit, a wake, a defragment, a trim), so that under a limit it
+        is refused, or waits (:func:`waiting_for_budget`), before it has made
+        anything, and never holds part of its memory while it waits for the
+        rest.
 
-        A commit of many handles claims its whole size first, so under a
-        limit it is refused, or waits (:func:`waiting_for_budget`), before
-        it has made anything, and never holds part of its memory while it
-        waits for the rest. Not reentrant on one device.
+        Within the block, on this thread:
+
+        * ``size`` bytes are claimed on entry, and creates draw on them
+          instead of claiming one by one;
+        * a release pays its bytes into the account instead of back to the
+          ledger, so memory the work frees stays its own until it ends: a
+          defragment that releases and then creates again cannot lose the
+          room to another process in between;
+        * past the balance, a create the limit refuses draws on ``credit``
+          bytes claimed without the limit's check: memory the same block
+          gives back before it ends (a trim's copy of the chunk it cuts
+          through, which replaces that chunk), so that a cache can always
+          trim its way back under a full or lowered limit;
+        * what is left is given back at the end.
+
+        A block nested in one open on the same device tops the account up
+        to ``size`` (claiming only what it lacks) and adds its ``credit``;
+        the outermost block gives back.
         """
-        balances = self._balances()
-        if device in balances:
-            raise RuntimeError(f"prepaid() is already open for device {device} on this thread")
         ledger = self.ledger(device)
-        ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
-        balances[device] = size
+        accounts = self._accounts()
+        account = accounts.get(ledger)
+        if account is not None:
+            if size > account.balance:
+                ledger.claim(size - account.balance, getattr(_waits, "timeout_s", 0.0))
+                account.balance = size
+            account.credit += credit
+            yield
+            return
+        if size:  # nothing to claim is never refused, not even over a lowered limit
+            ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
+        accounts[ledger] = _Account(size, credit)
         try:
             yield
         finally:
-            ledger.give_back(balances.pop(device))
+            left = accounts.pop(ledger).balance
+            if left:
+                ledger.give_back(left)
 
-    def _balances(self) -> dict[int, int]:
-        """This thread's prepaid bytes per device."""
-        found: dict[int, int] | None = getattr(self._local, "balances", None)
+    def _accounts(self) -> dict[Ledger, _Account]:
+        """This thread's open accounts, by ledger."""
+        found: dict[Ledger, _Account] | None = getattr(self._local, "accounts", None)
         if found is None:
-            found = self._local.balances = {}
+            found = self._local.accounts = {}
         return found
 
-    def _draw(self, device: int, size: int) -> bool:
-        """Take ``size`` bytes from this thread's prepaid balance, if it holds them."""
-        balances: dict[int, int] | None = getattr(self._local, "balances", None)
-        if not balances or balances.get(device, 0) < size:
-            return False
-        balances[device] -= size
-        return True
+    def _claim_for_create(self, ledger: Ledger, size: int) -> _Account | None:
+        """Claim ``size`` bytes for a create: from this thread's open account
+        on ``ledger`` if there is one (its balance, then the ledger, then,
+        if the limit refuses, its credit), else from the ledger. Returns the
+        account drawn on."""
+        accounts: dict[Ledger, _Account] | None = getattr(self._local, "accounts", None)
+        account = None if not accounts else accounts.get(ledger)
+        if account is None:
+            ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
+            return None
+        lacking = size - account.balance
+        if lacking > account.credit:
+            ledger.claim(lacking, getattr(_waits, "timeout_s", 0.0))
+        elif lacking > 0:
+            try:
+                ledger.claim(lacking)
+            except BudgetExceededError:
+                ledger.claim_unchecked(lacking)
+                account.credit -= lacking
+        account.balance += max(0, lacking) - size
+        return account
 
     def create(self, size: int, device: int, shareable: bool) -> int:
         ledger = self._ledgers.get(device) or self.ledger(device)
-        prepaid = self._draw(device, size)
-        if not prepaid:
-            ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
+        account = self._claim_for_create(ledger, size)
         try:
             handle = self.inner.create(size, device, shareable)
         except BaseException:
-            if prepaid:
-                self._balances()[device] += size
+            if account is not None:
+                account.balance += size
             else:
                 ledger.give_back(size)
             raise
@@ -160,15 +209,30 @@ class BudgetDriver(DriverAdaptor):
         return handle
 
     def release(self, handle: int) -> None:
-        # The claim goes back with the handle. The protocol lets a handle be
-        # released while mapped, its memory going at the unmap; the library
-        # does that only just before unmapping it (a discard), so the claim
-        # is early by one driver call at most.
-        self.inner.release(handle)
+        # The claim entry goes first: a driver may hand a released handle's
+        # value out again at once (the host backend's descriptors do, CUDA
+        # may), and another thread's create landing between the release and
+        # the pop would otherwise have its entry taken for this one's.
         claim = self._claims.pop(handle, None)
-        if claim is not None:
-            claim[0].give_back(claim[1])
-            self._touch()
+        try:
+            self.inner.release(handle)
+        except BaseException:
+            if claim is not None:
+                self._claims[handle] = claim
+            raise
+        if claim is None:
+            return
+        # The protocol lets a handle be released while mapped, its memory
+        # going at the unmap; the library does that only just before
+        # unmapping it (a discard), so the claim is early by one call at most.
+        ledger, size = claim
+        accounts: dict[Ledger, _Account] | None = getattr(self._local, "accounts", None)
+        account = None if not accounts else accounts.get(ledger)
+        if account is not None:
+            account.balance += size
+        else:
+            ledger.give_back(size)
+        self._touch()
 
     def _touch(self) -> None:
         if self._publisher is not None:

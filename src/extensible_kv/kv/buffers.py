@@ -18,6 +18,8 @@ from extensible_kv.budget.publish import register_cache
 from extensible_kv.buffer import synchronize_buffers
 from extensible_kv.driver.pool import fill_pools_in_background
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
+from contextlib import AbstractContextManager
+
 from extensible_kv.tensor import (
     ExtensibleTensor,
     defragment_all,
@@ -25,6 +27,7 @@ from extensible_kv.tensor import (
     published_figures,
     release_physical_all,
     remap_per_segment_all,
+    claimed_at_once,
     resize_per_segment_all,
     shrink_per_segment_all,
     stream_handles,
@@ -399,8 +402,11 @@ class KVCacheBuffers:
         asleep_at = self._asleep_at
         assert asleep_at is not None
         if self._backup is not None:
-            self._recommit(keep_host_memory=False, staging_bytes=DEFAULT_STAGING_BYTES)
-            self._commit(num_blocks, defragment)
+            # Restore and growth claim their memory together: a refusal comes
+            # before either, and leaves the cache asleep with its copy.
+            with self._claimed(max(num_blocks, asleep_at)):
+                self._recommit(keep_host_memory=False, staging_bytes=DEFAULT_STAGING_BYTES)
+                self._commit(num_blocks, defragment)
             return
         self._asleep_at = None
         try:
@@ -679,11 +685,14 @@ class KVCacheBuffers:
             self._grow(num_blocks)
             self._asleep_at = self._wake_to = None
             return
-        self._recommit(keep_host_memory=keep_host_memory, staging_bytes=staging_bytes)
-        if asleep or partly:
-            target = self._wake_to if num_blocks is None else num_blocks
-            if target is not None and target > self._committed:
+        target = self._wake_to if num_blocks is None else num_blocks
+        # The restore and the growth past it claim their memory together: a
+        # refusal comes before either, and leaves the cache asleep with its copy.
+        with self._claimed(max(target or 0, self._asleep_at or 0)):
+            self._recommit(keep_host_memory=keep_host_memory, staging_bytes=staging_bytes)
+            if (asleep or partly) and target is not None and target > self._committed:
                 self._grow(target)
+        if asleep or partly:
             self._wake_to = None
 
     def _recommit(self, *, keep_host_memory: bool, staging_bytes: int) -> None:
@@ -710,22 +719,34 @@ class KVCacheBuffers:
         If a commit or a copy fails, the buffers committed so far are
         released again: the cache stays asleep with its backup, for a retry.
         """
-        restorer = backup.restorer(self._regions(num_blocks), staging_bytes=staging_bytes)
-        committed: list[ExtensibleTensor] = []
-        try:
+        # Buffer by buffer, but claimed at once: a wake waiting for room
+        # holds none of it, so two engines waking together cannot each hold
+        # half and wait on the other.
+        with self._claimed(num_blocks):
+            restorer = backup.restorer(self._regions(num_blocks), staging_bytes=staging_bytes)
+            committed: list[ExtensibleTensor] = []
             try:
-                first = 0
-                for buffer, per_block in self.buffers:
-                    buffer.resize_per_segment_(num_blocks * per_block)
-                    committed.append(buffer)
-                    restorer.copy(range(first, first + buffer.num_segments))
-                    first += buffer.num_segments
-            finally:
-                restorer.finish()  # no copy may run into memory released below
-        except BaseException:
-            release_physical_all(committed)
-            raise
+                try:
+                    first = 0
+                    for buffer, per_block in self.buffers:
+                        buffer.resize_per_segment_(num_blocks * per_block)
+                        committed.append(buffer)
+                        restorer.copy(range(first, first + buffer.num_segments))
+                        first += buffer.num_segments
+                finally:
+                    restorer.finish()  # no copy may run into memory released below
+            except BaseException:
+                release_physical_all(committed)
+                raise
         self._committed = num_blocks
+
+    def _claimed(self, num_blocks: int) -> AbstractContextManager[object]:
+        """Claim at once what committing ``num_blocks`` blocks in every
+        buffer will create from here (see
+        :func:`~extensible_kv.tensor.claimed_at_once`)."""
+        return claimed_at_once(
+            [(b, max(num_blocks * per_block, b.bytes_per_segment)) for b, per_block in self.buffers]
+        )
 
     def _drop_backup(self) -> None:
         for backup in (self._backup, self._spare):
