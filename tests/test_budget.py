@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,29 @@ def test_limits_by_device_name(state: Path) -> None:
         set_device_limit("tpu", "1GiB")
     assert set_device_limit("cpu", "off").bytes is None
     assert list(all_limits().values()) == [device_limit("cpu")]
+
+
+@pytest.mark.parametrize(
+    ("text", "total", "expected"),
+    [
+        ("2.01MB", None, 2_010_000),
+        ("8.2TB", None, 8_200_000_000_000),
+        ("0.001KB", None, 1),
+        ("1.000KB", None, 1000),
+        ("50%", (1 << 60) + 2, (1 << 59) + 1),
+        ("0.1%", 10**19 - 1, 10**16 - 1),
+        ("33.3%", 1000, 333),  # a share is rounded down to a whole byte
+        ("0.0001%", 100, 1),  # and is at least one
+    ],
+)
+def test_decimal_sizes_are_exact(text: str, total: int | None, expected: int) -> None:
+    assert parse_size(text, total) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5B", "0.0001KB", "1.0005 KB", "0.5"])
+def test_a_size_of_a_fraction_of_a_byte_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"{text!r} is not a whole number of bytes")):
+        parse_size(text)
 
 
 def test_bytes_print_in_binary_units() -> None:
