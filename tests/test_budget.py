@@ -25,6 +25,7 @@ from extensible_kv import (
 )
 from extensible_kv.budget import (
     Ledger,
+    Limit,
     StaleRevisionError,
     StateDirError,
     format_bytes,
@@ -250,6 +251,26 @@ def test_a_size_of_a_fraction_of_a_byte_is_refused(text: str) -> None:
         parse_size(text)
 
 
+def test_a_size_past_what_a_ledger_holds_is_refused(state: Path) -> None:
+    from extensible_kv.limits import set_device_limit
+
+    most = (1 << 63) - 1  # a ledger stores a limit as an int64
+    assert parse_size(str(most)) == most
+    for text in (str(most + 1), "99999999999TiB"):
+        with pytest.raises(ValueError, match=rf"'{text}' .*at most {most} bytes"):
+            parse_size(text)
+    with pytest.raises(ValueError, match=rf"limit must be at most {most} bytes.*got {1 << 70}"):
+        set_device_limit("cpu", 1 << 70)
+    assert list(state.glob("devices/*.ledger")) == []
+    ledger = Ledger(state, "host-test")
+    ledger.set_limit(64 * MiB)
+    with pytest.raises(ValueError, match=rf"limit_bytes must be at most {most}.*{most + 1}"):
+        ledger.set_limit(most + 1)
+    assert ledger.limit() == Limit(64 * MiB, 1)
+    assert ledger.set_limit(most) == Limit(most, 2)
+    ledger.close()
+
+
 def test_bytes_print_in_binary_units() -> None:
     assert [format_bytes(n) for n in (0, 1023, 1024, 1536 * MiB, 5 << 40)] == [
         "0 B",
@@ -265,6 +286,7 @@ def test_bytes_print_in_binary_units() -> None:
     [
         (["limit", "cpu", "12XB"], "argument SIZE: cannot read the size '12XB'"),
         (["limit", "cpu", "150%"], "argument SIZE: a percentage must be above 0"),
+        (["limit", "cpu", "99999999999TiB"], "argument SIZE: the size '99999999999TiB'"),
         (["limit", "gpu0", "1GiB"], "argument DEVICE: cannot read device 'gpu0'"),
         (["limit", "cpu"], "give a SIZE"),
         (["limit", "cpu", "1GiB", "--revision", "x"], "argument --revision"),

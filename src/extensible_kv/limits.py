@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from extensible_kv._checks import check_int
 from extensible_kv.budget import Ledger, Limit, parse_size, state_dir
+from extensible_kv.budget.ledger import check_limit
 from extensible_kv.budget.snapshot import read_ledgers
 from extensible_kv.driver import get_driver, parse_device
 
@@ -66,8 +66,8 @@ def set_device_limit(
 
     Args:
         device: ``"cpu"``, ``"cuda:N"``, a ``torch.device`` or a device UUID.
-        limit: bytes, a size such as ``"8GiB"`` or ``"50%"`` of the device,
-            or None (or ``"off"``) for no limit.
+        limit: bytes (1 to 2**63 - 1), a size such as ``"8GiB"`` or ``"50%"``
+            of the device, or None (or ``"off"``) for no limit.
         expect_revision: write only if the limit is still at this revision
             (the one read before deciding), else raise
             :class:`~extensible_kv.budget.StaleRevisionError`.
@@ -78,8 +78,8 @@ def set_device_limit(
     named = named_device(device)
     if isinstance(limit, str):
         limit = None if limit == "off" else parse_size(limit, total_bytes(named))
-    elif limit is not None:
-        check_int("limit", limit)
+    else:
+        check_limit("limit", limit)
     ledger = Ledger(state_dir(), named.uuid)
     try:
         return ledger.set_limit(limit, expect_revision)

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from extensible_kv._checks import check_int
 from extensible_kv.budget.liveness import (
     ProcessId,
     command_line,
@@ -37,7 +38,7 @@ from extensible_kv.budget.liveness import (
     one_line,
     this_process,
 )
-from extensible_kv.budget.sizes import format_bytes
+from extensible_kv.budget.sizes import MAX_SIZE_BYTES, format_bytes
 from extensible_kv.budget.state_dir import StateDirError, prepare
 from extensible_kv.driver.errors import BudgetExceededError
 
@@ -83,6 +84,22 @@ class LedgerView:
     @property
     def claimed_bytes(self) -> int:
         return sum(self.claims.values())
+
+
+def check_limit(name: str, limit_bytes: object) -> None:
+    """Refuse a limit that is not None or an int of 1 to :data:`MAX_SIZE_BYTES`
+    bytes (what a ledger holds): TypeError or ValueError naming ``name``."""
+    if limit_bytes is None:
+        return
+    check_int(name, limit_bytes)
+    assert isinstance(limit_bytes, int)
+    if limit_bytes < 1:
+        raise ValueError(f"a limit must be at least 1 byte, got {limit_bytes}; use None for none")
+    if limit_bytes > MAX_SIZE_BYTES:
+        raise ValueError(
+            f"{name} must be at most {MAX_SIZE_BYTES} bytes (2**63 - 1, what a ledger "
+            f"holds), got {limit_bytes}"
+        )
 
 
 def ledger_path(state_dir: Path, device: str) -> Path:
@@ -144,10 +161,7 @@ class Ledger:
     def set_limit(self, limit_bytes: int | None, expect_revision: int | None = None) -> Limit:
         """Set the limit (None: none); with ``expect_revision``, only if the
         revision is still that one, else :class:`StaleRevisionError`."""
-        if limit_bytes is not None and limit_bytes < 1:
-            raise ValueError(
-                f"a limit must be at least 1 byte, got {limit_bytes}; use None for none"
-            )
+        check_limit("limit_bytes", limit_bytes)
         with self._locked():
             revision = self._header[_REVISION]
             if expect_revision is not None and expect_revision != revision:

@@ -17,6 +17,9 @@ _UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
+#: The largest size :func:`parse_size` reads, in bytes: what a ledger's
+#: limit, an int64, holds (2**63 - 1, about 8 EiB).
+MAX_SIZE_BYTES = (1 << 63) - 1
 _SIZE_RE = re.compile(r"\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*")
 _PERCENT_RE = re.compile(r"\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*%\s*")
 
@@ -26,13 +29,24 @@ def parse_size(text: str, total_bytes: int | None = None) -> int:
     KiB, MiB, GiB, TiB, any case), or a percentage of ``total_bytes``.
 
     Decimals are read exactly (``2.01MB`` is 2,010,000 bytes). A size must
-    be a whole number of bytes, at least one; a percentage in (0, 100] is
-    rounded down to whole bytes, and is at least one. Raises ValueError
-    saying what is accepted.
+    be a whole number of bytes, from one to :data:`MAX_SIZE_BYTES`; a
+    percentage in (0, 100] is rounded down to whole bytes, and is at least
+    one. Raises ValueError saying what is accepted.
     """
     percent = _PERCENT_RE.fullmatch(text)
-    if percent is not None:
-        return _share(text, Fraction(percent["number"]), total_bytes)
+    size = (
+        _bytes(text) if percent is None else _share(text, Fraction(percent["number"]), total_bytes)
+    )
+    if size > MAX_SIZE_BYTES:
+        raise ValueError(
+            f"the size {text!r} is too large: a size can be at most "
+            f"{MAX_SIZE_BYTES} bytes (2**63 - 1)"
+        )
+    return size
+
+
+def _bytes(text: str) -> int:
+    """``text``, a number and an optional unit, in whole bytes (at least one)."""
     match = _SIZE_RE.fullmatch(text)
     unit = None if match is None else _UNITS.get(match["unit"].lower())
     if match is None or unit is None:
