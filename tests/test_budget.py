@@ -173,6 +173,31 @@ def test_stale_revisions_are_refused(state: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("revision", "error", "message"),
+    [
+        (True, TypeError, "expect_revision must be an int, got bool"),
+        ("1", TypeError, "expect_revision must be an int, got str"),
+        (1.0, TypeError, "expect_revision must be an int, got float"),
+        (-1, ValueError, "expect_revision must be at least 0, got -1"),
+    ],
+)
+def test_a_revision_must_be_an_int(
+    state: Path, revision: object, error: type[Exception], message: str
+) -> None:
+    from extensible_kv.limits import set_device_limit
+
+    with pytest.raises(error, match=message):
+        set_device_limit("cpu", "1GiB", expect_revision=revision)  # type: ignore[arg-type]
+    assert list(state.glob("devices/*.ledger")) == []
+    ledger = Ledger(state, "host-test")
+    ledger.set_limit(64 * MiB)  # revision 1
+    with pytest.raises(error, match=message):
+        ledger.set_limit(8 * MiB, expect_revision=revision)  # type: ignore[arg-type]
+    assert ledger.limit() == Limit(64 * MiB, 1)
+    ledger.close()
+
+
+@pytest.mark.parametrize(
     ("text", "total", "expected"),
     [
         ("64MiB", None, 64 * MiB),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv.budget import Ledger, Limit, parse_size, state_dir
-from extensible_kv.budget.ledger import check_limit
+from extensible_kv.budget.ledger import check_limit, check_revision
 from extensible_kv.budget.snapshot import read_ledgers
 from extensible_kv.driver import get_driver, parse_device
 
@@ -68,8 +68,8 @@ def set_device_limit(
         device: ``"cpu"``, ``"cuda:N"``, a ``torch.device`` or a device UUID.
         limit: bytes (1 to 2**63 - 1), a size such as ``"8GiB"`` or ``"50%"``
             of the device, or None (or ``"off"``) for no limit.
-        expect_revision: write only if the limit is still at this revision
-            (the one read before deciding), else raise
+        expect_revision: an int: write only if the limit is still at this
+            revision (the one read before deciding), else raise
             :class:`~extensible_kv.budget.StaleRevisionError`.
 
     Memory already claimed stays; a limit below it refuses new claims until
@@ -80,6 +80,7 @@ def set_device_limit(
         limit = None if limit == "off" else parse_size(limit, total_bytes(named))
     else:
         check_limit("limit", limit)
+    check_revision("expect_revision", expect_revision)
     ledger = Ledger(state_dir(), named.uuid)
     try:
         return ledger.set_limit(limit, expect_revision)

@@ -102,6 +102,17 @@ def check_limit(name: str, limit_bytes: object) -> None:
         )
 
 
+def check_revision(name: str, revision: object) -> None:
+    """Refuse a revision that is not None or an int of at least 0:
+    TypeError or ValueError naming ``name``."""
+    if revision is None:
+        return
+    check_int(name, revision)
+    assert isinstance(revision, int)
+    if revision < 0:
+        raise ValueError(f"{name} must be at least 0, got {revision}")
+
+
 def ledger_path(state_dir: Path, device: str) -> Path:
     if _UUID_RE.fullmatch(device) is None:
         raise ValueError(f"device name {device!r} is not a device UUID")
@@ -159,9 +170,11 @@ class Ledger:
         return Limit(None if raw < 0 else raw, self._header[_REVISION])
 
     def set_limit(self, limit_bytes: int | None, expect_revision: int | None = None) -> Limit:
-        """Set the limit (None: none); with ``expect_revision``, only if the
-        revision is still that one, else :class:`StaleRevisionError`."""
+        """Set the limit in bytes (None: none); with ``expect_revision`` (an
+        int), only if the revision is still that one, else
+        :class:`StaleRevisionError`."""
         check_limit("limit_bytes", limit_bytes)
+        check_revision("expect_revision", expect_revision)
         with self._locked():
             revision = self._header[_REVISION]
             if expect_revision is not None and expect_revision != revision:
