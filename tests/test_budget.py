@@ -159,6 +159,29 @@ def test_waiting_for_budget_waits_until_the_timeout(budget: BudgetDriver) -> Non
     tensor.free()
 
 
+@pytest.mark.parametrize(
+    ("timeout", "error", "message"),
+    [
+        ("5", TypeError, "timeout_s must be a number of seconds .*got str"),
+        (True, TypeError, "timeout_s must be a number of seconds .*got bool"),
+        (None, TypeError, "timeout_s must be a number of seconds .*got NoneType"),
+        (float("nan"), ValueError, "timeout_s must be a non-negative number .*got nan"),
+        (-0.5, ValueError, "timeout_s must be a non-negative number .*got -0.5"),
+    ],
+)
+def test_a_wait_must_be_seconds(timeout: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message), waiting_for_budget(timeout):  # type: ignore[arg-type]
+        pass
+
+
+def test_an_infinite_wait_is_taken(budget: BudgetDriver) -> None:
+    tensor = ExtensibleTensor(4 * MiB, "cpu", driver=budget)
+    with waiting_for_budget(float("inf")):
+        tensor.resize_(2 * MiB)  # fits: no wait
+    assert budget.ledger(0).held == 2 * MiB
+    tensor.free()
+
+
 def test_stale_revisions_are_refused(state: Path) -> None:
     ledger = Ledger(state, "host-test")
     first = ledger.limit()
