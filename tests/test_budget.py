@@ -272,6 +272,8 @@ def test_limits_by_device_name(state: Path) -> None:
         set_device_limit("cpu", True)
     with pytest.raises(ValueError, match="device type 'tpu' is not supported"):
         set_device_limit("tpu", "1GiB")
+    with pytest.raises(ValueError, match="'GPU-bad name' is not a device UUID"):
+        device_limit("GPU-bad name")
     assert set_device_limit("cpu", "off").bytes is None
     assert list(all_limits().values()) == [device_limit("cpu")]
 
@@ -336,6 +338,8 @@ def test_bytes_print_in_binary_units() -> None:
         (["limit", "cpu", "150%"], "argument SIZE: a percentage must be above 0"),
         (["limit", "cpu", "99999999999TiB"], "argument SIZE: the size '99999999999TiB'"),
         (["limit", "gpu0", "1GiB"], "argument DEVICE: cannot read device 'gpu0'"),
+        (["limit", "GPU-bad name", "1GiB"], "DEVICE: device name 'GPU-bad name' is not a"),
+        (["limit", "host-/x", "off"], "DEVICE: device name 'host-/x' is not a device UUID"),
         (["limit", "cpu"], "give a SIZE"),
         (["limit", "cpu", "1GiB", "--revision", "x"], "argument --revision"),
     ],

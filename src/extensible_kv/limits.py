@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv.budget import Ledger, Limit, parse_size, state_dir
-from extensible_kv.budget.ledger import check_limit, check_revision
+from extensible_kv.budget.ledger import check_limit, check_revision, check_uuid
 from extensible_kv.budget.snapshot import read_ledgers
 from extensible_kv.driver import get_driver, parse_device
 
@@ -33,6 +33,7 @@ def named_device(device: object) -> NamedDevice:
     """Read ``device`` (``"cpu"``, ``"cuda:N"``, a ``torch.device``, or a
     device UUID); ValueError or BackendUnavailableError saying why not."""
     if isinstance(device, str) and device.startswith(("GPU-", "host-")):
+        check_uuid(device)
         return NamedDevice(device, device)
     spec = parse_device(device)
     if spec.type == "cpu":

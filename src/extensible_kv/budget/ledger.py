@@ -113,9 +113,17 @@ def check_revision(name: str, revision: object) -> None:
         raise ValueError(f"{name} must be at least 0, got {revision}")
 
 
-def ledger_path(state_dir: Path, device: str) -> Path:
+def check_uuid(device: str) -> None:
+    """Refuse a device UUID that cannot name a ledger file: ValueError."""
     if _UUID_RE.fullmatch(device) is None:
-        raise ValueError(f"device name {device!r} is not a device UUID")
+        raise ValueError(
+            f"device name {device!r} is not a device UUID (letters, digits, '.', '_' "
+            f"and '-', at most 128)"
+        )
+
+
+def ledger_path(state_dir: Path, device: str) -> Path:
+    check_uuid(device)
     return state_dir / "devices" / f"{device}.ledger"
 
 
