@@ -34,7 +34,7 @@ from extensible_kv.budget import (
 )
 from extensible_kv.budget.publish import publisher
 from extensible_kv.cli import main
-from extensible_kv.driver import backend
+from extensible_kv.driver import backend, get_driver
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -370,6 +370,25 @@ def test_the_limit_command_sets_shows_and_checks_revisions(
     assert "revision 1, not 0" in capsys.readouterr().err
     assert main(["limit", "cpu", "off", "--revision", "1"]) == 0
     assert "no limit, revision 2" in capsys.readouterr().out
+
+
+def test_the_limit_command_prints_what_it_set_as_json(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uuid = get_driver("cpu").device_uuid(0)
+    assert main(["limit", "cpu", "8MiB", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert written == {
+        "device": uuid,
+        "type": "cpu",
+        "limit_bytes": 8 * MiB,
+        "revision": 1,
+        "claimed_bytes": 0,
+    }
+    assert main(["limit", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [written]  # a row of the listing
+    assert main(["limit", "cpu", "off", "--json", "--revision", "1"]) == 0
+    assert json.loads(capsys.readouterr().out) == written | {"limit_bytes": None, "revision": 2}
 
 
 def test_a_corrupt_ledger_gives_a_clean_error(
