@@ -410,6 +410,38 @@ def test_a_corrupt_ledger_gives_a_clean_error(
         assert "not an extensible-kv ledger" in err
 
 
+@pytest.mark.parametrize("target", ["nowhere", "real"])
+def test_a_symbolic_link_where_a_ledger_goes_gives_a_clean_error(
+    state: Path, budget: BudgetDriver, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uuid = get_driver("cpu").device_uuid(0)
+    path = state / "devices" / f"{uuid}.ledger"
+    snapshot(state)  # makes the folders
+    if target == "real":  # even one to a real ledger: the state is this directory's own
+        Ledger(state, "host-elsewhere").close()
+        path.symlink_to(state / "devices" / "host-elsewhere.ledger")
+        message = "is a symbolic link to "
+    else:
+        path.symlink_to(state / "nowhere")
+        message = "is a symbolic link that points nowhere"
+    with pytest.raises(StateDirError, match=message):
+        Ledger(state, uuid)
+    tensor = ExtensibleTensor(4 * MiB, "cpu", driver=budget)
+    with pytest.raises(StateDirError, match=message):
+        tensor.resize_(2 * MiB)
+    assert tensor.physical_bytes == 0
+    tensor.free()
+    for argv in (["limit", "cpu", "1GiB"], ["limit"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert err.startswith(f"extensible-kv limit: error: {path} is not an extensible-kv ledger")
+        assert message in err
+    assert path.is_symlink()  # left for the user to remove
+
+
 @pytest.mark.parametrize(
     ("where", "content", "message"),
     [

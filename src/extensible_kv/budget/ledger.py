@@ -346,18 +346,31 @@ def _open(path: Path) -> int:
     place, so no process ever sees a half-made one.
     """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = _open_file(path)
     except FileNotFoundError:
         _create(path)
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _foreign(path, f"cannot be opened ({exc.strerror})") from None
+        fd = _open_file(path)
     try:
         _validate(path, fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _open_file(path: Path) -> int:
+    """A read-write descriptor of the file at ``path`` itself, never of where
+    a symbolic link there points: FileNotFoundError if there is none, else
+    :class:`StateDirError` if it cannot be opened."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if path.is_symlink():
+            where = f"to {path.resolve()}" if path.exists() else "that points nowhere"
+            raise _foreign(path, f"is a symbolic link {where}; a ledger is a file") from None
+        raise _foreign(path, f"cannot be opened ({exc.strerror})") from None
 
 
 def _create(path: Path) -> None:
