@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from extensible_kv import (
 )
 from extensible_kv.budget import (
     Ledger,
+    Limit,
     StaleRevisionError,
     StateDirError,
     format_bytes,
@@ -34,7 +36,7 @@ from extensible_kv.budget import (
 )
 from extensible_kv.budget.publish import publisher
 from extensible_kv.cli import main
-from extensible_kv.driver import Driver, DriverAdaptor, backend
+from extensible_kv.driver import Driver, DriverAdaptor, backend, get_driver
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -159,6 +161,29 @@ def test_waiting_for_budget_waits_until_the_timeout(budget: BudgetDriver) -> Non
     tensor.free()
 
 
+@pytest.mark.parametrize(
+    ("timeout", "error", "message"),
+    [
+        ("5", TypeError, "timeout_s must be a number of seconds .*got str"),
+        (True, TypeError, "timeout_s must be a number of seconds .*got bool"),
+        (None, TypeError, "timeout_s must be a number of seconds .*got NoneType"),
+        (float("nan"), ValueError, "timeout_s must be a non-negative number .*got nan"),
+        (-0.5, ValueError, "timeout_s must be a non-negative number .*got -0.5"),
+    ],
+)
+def test_a_wait_must_be_seconds(timeout: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message), waiting_for_budget(timeout):  # type: ignore[arg-type]
+        pass
+
+
+def test_an_infinite_wait_is_taken(budget: BudgetDriver) -> None:
+    tensor = ExtensibleTensor(4 * MiB, "cpu", driver=budget)
+    with waiting_for_budget(float("inf")):
+        tensor.resize_(2 * MiB)  # fits: no wait
+    assert budget.ledger(0).held == 2 * MiB
+    tensor.free()
+
+
 def test_stale_revisions_are_refused(state: Path) -> None:
     ledger = Ledger(state, "host-test")
     first = ledger.limit()
@@ -169,6 +194,31 @@ def test_stale_revisions_are_refused(state: Path) -> None:
         ledger.set_limit(8 * MiB, expect_revision=0)
     assert ledger.limit() == second
     assert ledger.set_limit(None).revision == 2
+    ledger.close()
+
+
+@pytest.mark.parametrize(
+    ("revision", "error", "message"),
+    [
+        (True, TypeError, "expect_revision must be an int, got bool"),
+        ("1", TypeError, "expect_revision must be an int, got str"),
+        (1.0, TypeError, "expect_revision must be an int, got float"),
+        (-1, ValueError, "expect_revision must be at least 0, got -1"),
+    ],
+)
+def test_a_revision_must_be_an_int(
+    state: Path, revision: object, error: type[Exception], message: str
+) -> None:
+    from extensible_kv.limits import set_device_limit
+
+    with pytest.raises(error, match=message):
+        set_device_limit("cpu", "1GiB", expect_revision=revision)  # type: ignore[arg-type]
+    assert list(state.glob("devices/*.ledger")) == []
+    ledger = Ledger(state, "host-test")
+    ledger.set_limit(64 * MiB)  # revision 1
+    with pytest.raises(error, match=message):
+        ledger.set_limit(8 * MiB, expect_revision=revision)  # type: ignore[arg-type]
+    assert ledger.limit() == Limit(64 * MiB, 1)
     ledger.close()
 
 
@@ -224,8 +274,53 @@ def test_limits_by_device_name(state: Path) -> None:
         set_device_limit("cpu", True)
     with pytest.raises(ValueError, match="device type 'tpu' is not supported"):
         set_device_limit("tpu", "1GiB")
+    with pytest.raises(ValueError, match="'GPU-bad name' is not a device UUID"):
+        device_limit("GPU-bad name")
     assert set_device_limit("cpu", "off").bytes is None
     assert list(all_limits().values()) == [device_limit("cpu")]
+
+
+@pytest.mark.parametrize(
+    ("text", "total", "expected"),
+    [
+        ("2.01MB", None, 2_010_000),
+        ("8.2TB", None, 8_200_000_000_000),
+        ("0.001KB", None, 1),
+        ("1.000KB", None, 1000),
+        ("50%", (1 << 60) + 2, (1 << 59) + 1),
+        ("0.1%", 10**19 - 1, 10**16 - 1),
+        ("33.3%", 1000, 333),  # a share is rounded down to a whole byte
+        ("0.0001%", 100, 1),  # and is at least one
+    ],
+)
+def test_decimal_sizes_are_exact(text: str, total: int | None, expected: int) -> None:
+    assert parse_size(text, total) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5B", "0.0001KB", "1.0005 KB", "0.5"])
+def test_a_size_of_a_fraction_of_a_byte_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"{text!r} is not a whole number of bytes")):
+        parse_size(text)
+
+
+def test_a_size_past_what_a_ledger_holds_is_refused(state: Path) -> None:
+    from extensible_kv.limits import set_device_limit
+
+    most = (1 << 63) - 1  # a ledger stores a limit as an int64
+    assert parse_size(str(most)) == most
+    for text in (str(most + 1), "99999999999TiB"):
+        with pytest.raises(ValueError, match=rf"'{text}' .*at most {most} bytes"):
+            parse_size(text)
+    with pytest.raises(ValueError, match=rf"limit must be at most {most} bytes.*got {1 << 70}"):
+        set_device_limit("cpu", 1 << 70)
+    assert list(state.glob("devices/*.ledger")) == []
+    ledger = Ledger(state, "host-test")
+    ledger.set_limit(64 * MiB)
+    with pytest.raises(ValueError, match=rf"limit_bytes must be at most {most}.*{most + 1}"):
+        ledger.set_limit(most + 1)
+    assert ledger.limit() == Limit(64 * MiB, 1)
+    assert ledger.set_limit(most) == Limit(most, 2)
+    ledger.close()
 
 
 def test_bytes_print_in_binary_units() -> None:
@@ -243,7 +338,10 @@ def test_bytes_print_in_binary_units() -> None:
     [
         (["limit", "cpu", "12XB"], "argument SIZE: cannot read the size '12XB'"),
         (["limit", "cpu", "150%"], "argument SIZE: a percentage must be above 0"),
+        (["limit", "cpu", "99999999999TiB"], "argument SIZE: the size '99999999999TiB'"),
         (["limit", "gpu0", "1GiB"], "argument DEVICE: cannot read device 'gpu0'"),
+        (["limit", "GPU-bad name", "1GiB"], "DEVICE: device name 'GPU-bad name' is not a"),
+        (["limit", "host-/x", "off"], "DEVICE: device name 'host-/x' is not a device UUID"),
         (["limit", "cpu"], "give a SIZE"),
         (["limit", "cpu", "1GiB", "--revision", "x"], "argument --revision"),
     ],
@@ -276,6 +374,25 @@ def test_the_limit_command_sets_shows_and_checks_revisions(
     assert "no limit, revision 2" in capsys.readouterr().out
 
 
+def test_the_limit_command_prints_what_it_set_as_json(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uuid = get_driver("cpu").device_uuid(0)
+    assert main(["limit", "cpu", "8MiB", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert written == {
+        "device": uuid,
+        "type": "cpu",
+        "limit_bytes": 8 * MiB,
+        "revision": 1,
+        "claimed_bytes": 0,
+    }
+    assert main(["limit", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [written]  # a row of the listing
+    assert main(["limit", "cpu", "off", "--json", "--revision", "1"]) == 0
+    assert json.loads(capsys.readouterr().out) == written | {"limit_bytes": None, "revision": 2}
+
+
 def test_a_corrupt_ledger_gives_a_clean_error(
     state: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -293,6 +410,38 @@ def test_a_corrupt_ledger_gives_a_clean_error(
         assert "Traceback" not in err
         assert str(path) in err
         assert "not an extensible-kv ledger" in err
+
+
+@pytest.mark.parametrize("target", ["nowhere", "real"])
+def test_a_symbolic_link_where_a_ledger_goes_gives_a_clean_error(
+    state: Path, budget: BudgetDriver, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uuid = get_driver("cpu").device_uuid(0)
+    path = state / "devices" / f"{uuid}.ledger"
+    snapshot(state)  # makes the folders
+    if target == "real":  # even one to a real ledger: the state is this directory's own
+        Ledger(state, "host-elsewhere").close()
+        path.symlink_to(state / "devices" / "host-elsewhere.ledger")
+        message = "is a symbolic link to "
+    else:
+        path.symlink_to(state / "nowhere")
+        message = "is a symbolic link that points nowhere"
+    with pytest.raises(StateDirError, match=message):
+        Ledger(state, uuid)
+    tensor = ExtensibleTensor(4 * MiB, "cpu", driver=budget)
+    with pytest.raises(StateDirError, match=message):
+        tensor.resize_(2 * MiB)
+    assert tensor.physical_bytes == 0
+    tensor.free()
+    for argv in (["limit", "cpu", "1GiB"], ["limit"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert err.startswith(f"extensible-kv limit: error: {path} is not an extensible-kv ledger")
+        assert message in err
+    assert path.is_symlink()  # left for the user to remove
 
 
 @pytest.mark.parametrize(

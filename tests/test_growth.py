@@ -112,6 +112,19 @@ def test_trim_keeps_whole_steps_and_at_least_the_first(
     cache.free()
 
 
+@pytest.mark.parametrize("keep", [0, 9, 48])
+def test_trim_on_a_freed_cache_is_refused(stats: StatisticsDriver, device: str, keep: int) -> None:
+    cache = make_cache(device, stats)
+    growth = OnDemandGrowth(cache, num_blocks=48, step_blocks=8)
+    growth.ensure([20])
+    cache.free()
+    with pytest.raises(ValueError, match="has been freed; trim"):
+        growth.trim(keep)
+    with pytest.raises(ValueError, match="has been freed"):
+        growth.ensure([5])  # as every other call on it
+    assert cache.num_blocks_committed == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -18,6 +18,20 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_seconds(name: str, value: object) -> float:
+    """``value`` if it is a number of seconds: an int or a float (bools
+    refused), at least 0; ``inf`` is forever, NaN is refused. Else a
+    TypeError or ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be a number of seconds (an int or a float), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number of seconds, got {value}")
+    return value
+
+
 #: The largest byte count any reservation, view or chunk may have: 256 TiB,
 #: beyond the address space of every GPU and of x86-64 and arm64 Linux
 #: processes. Checked before a size reaches a driver, where it would wrap

@@ -19,7 +19,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from extensible_kv.budget import StateDirError, format_bytes, parse_size, snapshot, state_dir
+from extensible_kv.budget import (
+    Ledger,
+    Limit,
+    StateDirError,
+    format_bytes,
+    parse_size,
+    snapshot,
+    state_dir,
+)
+from extensible_kv.budget.snapshot import device_type
 from extensible_kv.demo import FlowReport, FlowSettings, ModelConfig, run_flow, run_ranks
 from extensible_kv.driver import (
     BackendUnavailableError,
@@ -365,9 +374,28 @@ def limit(args: argparse.Namespace) -> int:
     except ValueError as exc:
         args.parser.error(f"argument SIZE: {exc}")
     written = set_device_limit(named.uuid, size, expect_revision=args.revision)
+    if args.json:
+        print(json.dumps(_limit_row(named.uuid, written), indent=2))
+        return 0
     text = "no limit" if written.bytes is None else f"limit {format_bytes(written.bytes)}"
     console.print(f"{named.name} ({named.uuid}): {text}, revision {written.revision}")
     return 0
+
+
+def _limit_row(uuid: str, written: Limit) -> dict[str, Any]:
+    """A limit just written, as a row of ``limit --json``'s listing (bytes)."""
+    ledger = Ledger(state_dir(), uuid)
+    try:
+        claimed = ledger.read().claimed_bytes
+    finally:
+        ledger.close()
+    return {
+        "device": uuid,
+        "type": device_type(uuid),
+        "limit_bytes": written.bytes,
+        "revision": written.revision,
+        "claimed_bytes": claimed,
+    }
 
 
 def _show_limits(args: argparse.Namespace) -> int:
@@ -549,7 +577,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="set only if the limit is still at this revision (as shown), else fail",
     )
-    lim.add_argument("--json", action="store_true", help="show the limits as JSON")
+    lim.add_argument(
+        "--json", action="store_true", help="print the limits, or the limit set, as JSON"
+    )
     lim.set_defaults(run=limit, parser=lim)
     t = commands.add_parser(
         "top",

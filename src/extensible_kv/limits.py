@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from extensible_kv._checks import check_int
 from extensible_kv.budget import Ledger, Limit, parse_size, state_dir
+from extensible_kv.budget.ledger import check_limit, check_revision, check_uuid
 from extensible_kv.budget.snapshot import read_ledgers
 from extensible_kv.driver import get_driver, parse_device
 
@@ -33,6 +33,7 @@ def named_device(device: object) -> NamedDevice:
     """Read ``device`` (``"cpu"``, ``"cuda:N"``, a ``torch.device``, or a
     device UUID); ValueError or BackendUnavailableError saying why not."""
     if isinstance(device, str) and device.startswith(("GPU-", "host-")):
+        check_uuid(device)
         return NamedDevice(device, device)
     spec = parse_device(device)
     if spec.type == "cpu":
@@ -66,10 +67,10 @@ def set_device_limit(
 
     Args:
         device: ``"cpu"``, ``"cuda:N"``, a ``torch.device`` or a device UUID.
-        limit: bytes, a size such as ``"8GiB"`` or ``"50%"`` of the device,
-            or None (or ``"off"``) for no limit.
-        expect_revision: write only if the limit is still at this revision
-            (the one read before deciding), else raise
+        limit: bytes (1 to 2**63 - 1), a size such as ``"8GiB"`` or ``"50%"``
+            of the device, or None (or ``"off"``) for no limit.
+        expect_revision: an int: write only if the limit is still at this
+            revision (the one read before deciding), else raise
             :class:`~extensible_kv.budget.StaleRevisionError`.
 
     Memory already claimed stays; a limit below it refuses new claims until
@@ -78,8 +79,9 @@ def set_device_limit(
     named = named_device(device)
     if isinstance(limit, str):
         limit = None if limit == "off" else parse_size(limit, total_bytes(named))
-    elif limit is not None:
-        check_int("limit", limit)
+    else:
+        check_limit("limit", limit)
+    check_revision("expect_revision", expect_revision)
     ledger = Ledger(state_dir(), named.uuid)
     try:
         return ledger.set_limit(limit, expect_revision)

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from extensible_kv._checks import check_int
 from extensible_kv.budget.liveness import (
     ProcessId,
     command_line,
@@ -37,7 +38,7 @@ from extensible_kv.budget.liveness import (
     one_line,
     this_process,
 )
-from extensible_kv.budget.sizes import format_bytes
+from extensible_kv.budget.sizes import MAX_SIZE_BYTES, format_bytes
 from extensible_kv.budget.state_dir import StateDirError, prepare
 from extensible_kv.driver.errors import BudgetExceededError
 
@@ -85,9 +86,44 @@ class LedgerView:
         return sum(self.claims.values())
 
 
-def ledger_path(state_dir: Path, device: str) -> Path:
+def check_limit(name: str, limit_bytes: object) -> None:
+    """Refuse a limit that is not None or an int of 1 to :data:`MAX_SIZE_BYTES`
+    bytes (what a ledger holds): TypeError or ValueError naming ``name``."""
+    if limit_bytes is None:
+        return
+    check_int(name, limit_bytes)
+    assert isinstance(limit_bytes, int)
+    if limit_bytes < 1:
+        raise ValueError(f"a limit must be at least 1 byte, got {limit_bytes}; use None for none")
+    if limit_bytes > MAX_SIZE_BYTES:
+        raise ValueError(
+            f"{name} must be at most {MAX_SIZE_BYTES} bytes (2**63 - 1, what a ledger "
+            f"holds), got {limit_bytes}"
+        )
+
+
+def check_revision(name: str, revision: object) -> None:
+    """Refuse a revision that is not None or an int of at least 0:
+    TypeError or ValueError naming ``name``."""
+    if revision is None:
+        return
+    check_int(name, revision)
+    assert isinstance(revision, int)
+    if revision < 0:
+        raise ValueError(f"{name} must be at least 0, got {revision}")
+
+
+def check_uuid(device: str) -> None:
+    """Refuse a device UUID that cannot name a ledger file: ValueError."""
     if _UUID_RE.fullmatch(device) is None:
-        raise ValueError(f"device name {device!r} is not a device UUID")
+        raise ValueError(
+            f"device name {device!r} is not a device UUID (letters, digits, '.', '_' "
+            f"and '-', at most 128)"
+        )
+
+
+def ledger_path(state_dir: Path, device: str) -> Path:
+    check_uuid(device)
     return state_dir / "devices" / f"{device}.ledger"
 
 
@@ -142,12 +178,11 @@ class Ledger:
         return Limit(None if raw < 0 else raw, self._header[_REVISION])
 
     def set_limit(self, limit_bytes: int | None, expect_revision: int | None = None) -> Limit:
-        """Set the limit (None: none); with ``expect_revision``, only if the
-        revision is still that one, else :class:`StaleRevisionError`."""
-        if limit_bytes is not None and limit_bytes < 1:
-            raise ValueError(
-                f"a limit must be at least 1 byte, got {limit_bytes}; use None for none"
-            )
+        """Set the limit in bytes (None: none); with ``expect_revision`` (an
+        int), only if the revision is still that one, else
+        :class:`StaleRevisionError`."""
+        check_limit("limit_bytes", limit_bytes)
+        check_revision("expect_revision", expect_revision)
         with self._locked():
             revision = self._header[_REVISION]
             if expect_revision is not None and expect_revision != revision:
@@ -317,18 +352,31 @@ def _open(path: Path) -> int:
     place, so no process ever sees a half-made one.
     """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = _open_file(path)
     except FileNotFoundError:
         _create(path)
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _foreign(path, f"cannot be opened ({exc.strerror})") from None
+        fd = _open_file(path)
     try:
         _validate(path, fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _open_file(path: Path) -> int:
+    """A read-write descriptor of the file at ``path`` itself, never of where
+    a symbolic link there points: FileNotFoundError if there is none, else
+    :class:`StateDirError` if it cannot be opened."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if path.is_symlink():
+            where = f"to {path.resolve()}" if path.exists() else "that points nowhere"
+            raise _foreign(path, f"is a symbolic link {where}; a ledger is a file") from None
+        raise _foreign(path, f"cannot be opened ({exc.strerror})") from None
 
 
 def _create(path: Path) -> None:

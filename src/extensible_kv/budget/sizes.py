@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -16,6 +17,9 @@ _UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
+#: The largest size :func:`parse_size` reads, in bytes: what a ledger's
+#: limit, an int64, holds (2**63 - 1, about 8 EiB).
+MAX_SIZE_BYTES = (1 << 63) - 1
 _SIZE_RE = re.compile(r"\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*")
 _PERCENT_RE = re.compile(r"\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*%\s*")
 
@@ -24,25 +28,44 @@ def parse_size(text: str, total_bytes: int | None = None) -> int:
     """``text`` in bytes: a number with an optional unit (B, KB, MB, GB, TB or
     KiB, MiB, GiB, TiB, any case), or a percentage of ``total_bytes``.
 
-    Raises ValueError saying what is accepted; a size must be at least one byte
-    and a percentage in (0, 100].
+    Decimals are read exactly (``2.01MB`` is 2,010,000 bytes). A size must
+    be a whole number of bytes, from one to :data:`MAX_SIZE_BYTES`; a
+    percentage in (0, 100] is rounded down to whole bytes, and is at least
+    one. Raises ValueError saying what is accepted.
     """
     percent = _PERCENT_RE.fullmatch(text)
-    if percent is not None:
-        value = float(percent["number"])
-        if not 0 < value <= 100:
-            raise ValueError(f"a percentage must be above 0 and at most 100, got {text!r}")
-        if total_bytes is None:
-            raise ValueError(f"{text!r} is a percentage, but the device's size is unknown")
-        return max(1, int(total_bytes * value / 100))
+    size = (
+        _bytes(text) if percent is None else _share(text, Fraction(percent["number"]), total_bytes)
+    )
+    if size > MAX_SIZE_BYTES:
+        raise ValueError(
+            f"the size {text!r} is too large: a size can be at most "
+            f"{MAX_SIZE_BYTES} bytes (2**63 - 1)"
+        )
+    return size
+
+
+def _bytes(text: str) -> int:
+    """``text``, a number and an optional unit, in whole bytes (at least one)."""
     match = _SIZE_RE.fullmatch(text)
     unit = None if match is None else _UNITS.get(match["unit"].lower())
     if match is None or unit is None:
         raise ValueError(f"cannot read the size {text!r}; use a size like 64MiB, 8GiB or 50%")
-    size = int(float(match["number"]) * unit)
+    size = Fraction(match["number"]) * unit
+    if size.denominator != 1:
+        raise ValueError(f"{text!r} is not a whole number of bytes")
     if size < 1:
         raise ValueError(f"a size must be at least 1 byte, got {text!r}")
-    return size
+    return int(size)
+
+
+def _share(text: str, percent: Fraction, total_bytes: int | None) -> int:
+    """``percent`` of ``total_bytes``, rounded down to whole bytes and at least one."""
+    if not 0 < percent <= 100:
+        raise ValueError(f"a percentage must be above 0 and at most 100, got {text!r}")
+    if total_bytes is None:
+        raise ValueError(f"{text!r} is a percentage, but the device's size is unknown")
+    return max(1, int(total_bytes * percent / 100))
 
 
 def format_bytes(size: int) -> str:

@@ -40,7 +40,8 @@ def read_ledgers(state_dir: Path) -> list[LedgerView]:
     for path in sorted((state_dir / "devices").iterdir()):
         if path.name.startswith("."):  # a ledger being made
             continue
-        if path.suffix != ".ledger" or not path.is_file():
+        # A symbolic link goes on to Ledger, which says where it points.
+        if path.suffix != ".ledger" or not (path.is_file() or path.is_symlink()):
             raise _foreign(path, "is not a device ledger (*.ledger)")
         try:
             ledger = Ledger(state_dir, path.stem)

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from extensible_kv._checks import check_seconds
 from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.publish import Publisher, publisher
 from extensible_kv.budget.state_dir import state_dir
@@ -48,9 +49,11 @@ def waiting_for_budget(timeout_s: float) -> Iterator[None]:
     once (:meth:`BudgetDriver.prepaid`), so it waits holding nothing. Under
     a pool the handles claim one by one, and a waiting commit holds those
     it has made while it waits for the next.
+
+    ``timeout_s`` is an int or a float, at least 0; ``float("inf")`` waits
+    as long as it takes.
     """
-    if not timeout_s >= 0:
-        raise ValueError(f"timeout_s must be a non-negative number of seconds, got {timeout_s}")
+    check_seconds("timeout_s", timeout_s)
     before = getattr(_waits, "timeout_s", 0.0)
     _waits.timeout_s = timeout_s
     try:

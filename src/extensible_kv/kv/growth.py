@@ -95,8 +95,10 @@ class OnDemandGrowth:
         step, and at least the first one); returns the blocks kept.
 
         The caller vouches that no block past them is in use or cached: for
-        vLLM, no request running and the prefix cache reset.
+        vLLM, no request running and the prefix cache reset. A freed cache
+        raises ValueError, as every call on it does.
         """
+        self.buffers._check_alive("trim()")
         check_int("keep_blocks", keep_blocks)
         if not 0 <= keep_blocks <= self.num_blocks:
             raise ValueError(f"keep_blocks must be 0 to {self.num_blocks}, got {keep_blocks}")
