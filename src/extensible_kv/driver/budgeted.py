@@ -45,8 +45,8 @@ def waiting_for_budget(timeout_s: float) -> Iterator[None]:
     give memory back (an engine waking while another goes to sleep), and
     only then raises :class:`~extensible_kv.driver.BudgetExceededError`.
 
-    Under a limit, a tensor's or KV cache's commit claims its whole size at
-    once (:meth:`BudgetDriver.prepaid`), so it waits holding nothing. Under
+    Under a limit, a tensor's or KV cache's commit or wake claims its whole
+    size at once (:meth:`BudgetDriver.prepaid`), so it waits holding nothing. Under
     a pool the handles claim one by one, and a waiting commit holds those
     it has made while it waits for the next.
 
