@@ -558,10 +558,12 @@ def test_a_refused_commit_while_asleep_with_a_copy_leaves_it_asleep(budget: Budg
     ledger.set_limit(20 * MiB)  # as above: the restore fits, 24 blocks do not
     with pytest.raises(BudgetExceededError):
         cache.commit(24)
-    assert cache.released and cache.physical_bytes == ledger.held == 0
+    assert cache.released
+    assert cache.physical_bytes == ledger.held == 0
     ledger.set_limit(None)
     cache.commit(24)
-    assert cache.physical_bytes == 24 * MiB and _intact(views)
+    assert cache.physical_bytes == 24 * MiB
+    assert _intact(views)
     cache.free()
 
 

@@ -8,6 +8,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -18,16 +19,14 @@ from extensible_kv.budget.publish import register_cache
 from extensible_kv.buffer import synchronize_buffers
 from extensible_kv.driver.pool import fill_pools_in_background
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
-from contextlib import AbstractContextManager
-
 from extensible_kv.tensor import (
     ExtensibleTensor,
+    claimed_at_once,
     defragment_all,
     in_one_chunk_per_segment,
     published_figures,
     release_physical_all,
     remap_per_segment_all,
-    claimed_at_once,
     resize_per_segment_all,
     shrink_per_segment_all,
     stream_handles,
