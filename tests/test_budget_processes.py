@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from extensible_kv import BudgetDriver, BudgetExceededError, ExtensibleTensor, waiting_for_budget
-from extensible_kv.budget import Ledger
+from extensible_kv.budget import Ledger, snapshot
 from extensible_kv.cli import main
 from extensible_kv.driver import backend
 
@@ -419,3 +419,41 @@ def test_the_live_view_refreshes_and_quits_on_q(state: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         os.close(fd)
+
+
+def test_a_process_registering_while_top_reads_is_never_taken_for_dead(
+    state: Path, children: list[Child]
+) -> None:
+    child = Child(
+        state,
+        """
+        import fcntl, os, sys
+        from extensible_kv import ExtensibleTensor
+
+        locking = fcntl.flock
+
+        def flock_after_a_pause(fd, operation):
+            # Test-only hook: stops the child between creating its lock file
+            # in procs/ and locking it, until the test says go on.
+            if operation == fcntl.LOCK_EX and "/procs/" in os.readlink(f"/proc/self/fd/{fd}"):
+                print("paused", flush=True)
+                sys.stdin.readline()
+            locking(fd, operation)
+
+        fcntl.flock = flock_after_a_pause
+        tensor = ExtensibleTensor(64 << 20, "cpu")
+        tensor.resize_(8 << 20)
+        print("holding", tensor.physical_bytes, flush=True)
+        sys.stdin.readline()
+        """,
+    )
+    children.append(child)
+    child.expect("paused")
+    # Top reads the state directory while the child is between the two
+    # steps: it may show the child or not, but must not take it for dead.
+    snapshot(state)
+    child.tell("go on")
+    assert child.expect("holding") == str(8 * MiB)
+    claims = {p.pid: claimed for p, claimed in _ledger(state).read().claims.items()}
+    assert claims == {child.pid: 8 * MiB}
+    assert len(list((state / "procs").glob(f"{child.pid}-*.lock"))) == 1
