@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from extensible_kv import BudgetDriver, BudgetExceededError, ExtensibleTensor, waiting_for_budget
-from extensible_kv.budget import Ledger, snapshot
+from extensible_kv.budget import Ledger, Limit, snapshot
 from extensible_kv.cli import main
 from extensible_kv.driver import backend
 
@@ -457,3 +457,82 @@ def test_a_process_registering_while_top_reads_is_never_taken_for_dead(
     claims = {p.pid: claimed for p, claimed in _ledger(state).read().claims.items()}
     assert claims == {child.pid: 8 * MiB}
     assert len(list((state / "procs").glob(f"{child.pid}-*.lock"))) == 1
+
+
+def test_a_limit_read_between_a_writes_two_stores_waits_for_the_write(
+    state: Path, children: list[Child]
+) -> None:
+    writer = Child(
+        state,
+        f"""
+        import sys
+        from extensible_kv.budget import Ledger, state_dir
+        from extensible_kv.budget.ledger import _LIMIT
+
+        class PausingHeader:
+            # Test-only hook: the ledger's header, which stops the writer after
+            # it stores a limit and before it stores the limit's revision.
+            def __init__(self, header):
+                self.header = header
+            def __getitem__(self, index):
+                return self.header[index]
+            def __setitem__(self, index, value):
+                self.header[index] = value
+                if index == _LIMIT:
+                    print("paused", flush=True)
+                    sys.stdin.readline()
+
+        ledger = Ledger(state_dir(), {UUID!r})
+        ledger._header = PausingHeader(ledger._header)
+        print("wrote", ledger.set_limit(8 << 20).revision, flush=True)
+        sys.stdin.readline()
+        """,
+    )
+    children.append(writer)
+    ledger = _ledger(state)
+    writer.expect("paused")
+    seen: list[Limit] = []
+    reader = threading.Thread(target=lambda: seen.append(ledger.limit()))
+    reader.start()
+    reader.join(0.5)  # long enough for a read that does not wait for the write
+    writer.tell("go on")
+    assert writer.expect("wrote") == "1"
+    reader.join(PATIENCE_S)
+    assert not reader.is_alive()
+    assert seen == [Limit(8 * MiB, 1)]
+
+
+#: Limits the writer of the next test writes.
+LIMIT_WRITES = 30000
+
+
+def test_a_limit_read_during_writes_is_one_a_write_made(state: Path, children: list[Child]) -> None:
+    writer = Child(
+        state,
+        f"""
+        import sys
+        from extensible_kv.budget import Ledger, state_dir
+        ledger = Ledger(state_dir(), {UUID!r})
+        print("ready", flush=True)
+        sys.stdin.readline()
+        # Each write's bytes tell its revision, so a reader can check a pair.
+        written = ledger.set_limit(4096)
+        for _ in range({LIMIT_WRITES}):
+            written = ledger.set_limit(
+                (written.revision + 1) * 4096, expect_revision=written.revision
+            )
+        """,
+    )
+    children.append(writer)
+    ledger = _ledger(state)
+    writer.expect("ready")
+    writer.tell("go")
+    seen: list[Limit] = []
+    deadline = time.monotonic() + PATIENCE_S
+    while writer.process.poll() is None:
+        assert time.monotonic() < deadline, "the writer did not finish"
+        seen.extend(ledger.limit() for _ in range(1000))
+    assert writer.process.returncode == 0
+    made = {Limit(None, 0)} | {Limit(r * 4096, r) for r in range(1, LIMIT_WRITES + 2)}
+    assert any(1 < limit.revision < LIMIT_WRITES for limit in seen), "no read during the writes"
+    assert [limit for limit in seen if limit not in made] == []
