@@ -536,3 +536,36 @@ def test_a_limit_read_during_writes_is_one_a_write_made(state: Path, children: l
     made = {Limit(None, 0)} | {Limit(r * 4096, r) for r in range(1, LIMIT_WRITES + 2)}
     assert any(1 < limit.revision < LIMIT_WRITES for limit in seen), "no read during the writes"
     assert [limit for limit in seen if limit not in made] == []
+
+
+def test_a_forked_child_shows_only_its_own_caches(
+    state: Path, children: list[Child], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parent = Child(
+        state,
+        """
+        import os, time
+        from extensible_kv import ExtensibleTensor
+        tensor = ExtensibleTensor(64 << 20, "cpu")
+        tensor.resize_(8 << 20)
+        if os.fork() == 0:
+            own = ExtensibleTensor(64 << 20, "cpu")
+            own.resize_(4 << 20)
+            print("made", os.getpid(), flush=True)
+        time.sleep(600)
+        """,
+    )
+    children.append(parent)
+    child = int(parent.expect("made"))
+
+    def physical_bytes() -> dict[int, list[object]]:
+        """Each process's caches' physical bytes, as top shows them."""
+        document = _top(capsys)
+        shown = {pid: _process(document, pid) or {"caches": []} for pid in (parent.pid, child)}
+        return {pid: [c["physical_bytes"] for c in p["caches"]] for pid, p in shown.items()}  # type: ignore[attr-defined]
+
+    try:
+        _until(lambda: all(physical_bytes().values()), "both processes' caches")
+        assert physical_bytes() == {parent.pid: [8 * MiB], child: [4 * MiB]}
+    finally:
+        os.kill(child, signal.SIGKILL)
