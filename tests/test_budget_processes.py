@@ -29,7 +29,7 @@ from extensible_kv import (
     KVCacheBuffers,
     waiting_for_budget,
 )
-from extensible_kv.budget import Ledger
+from extensible_kv.budget import Ledger, Limit, snapshot
 from extensible_kv.cli import main
 from extensible_kv.driver import DriverAdaptor, backend
 
@@ -586,3 +586,153 @@ def test_two_engines_waking_together_do_not_wait_on_each_other(
     assert second.expect("intact") == "True"
     assert second.expect("done") == str(16 * MiB)
     assert ledger.read().claimed_bytes == 32 * MiB <= 52 * MiB
+
+
+def test_a_process_registering_while_top_reads_is_never_taken_for_dead(
+    state: Path, children: list[Child]
+) -> None:
+    child = Child(
+        state,
+        """
+        import fcntl, os, sys
+        from extensible_kv import ExtensibleTensor
+
+        locking = fcntl.flock
+
+        def flock_after_a_pause(fd, operation):
+            # Test-only hook: stops the child between creating its lock file
+            # in procs/ and locking it, until the test says go on.
+            if operation == fcntl.LOCK_EX and "/procs/" in os.readlink(f"/proc/self/fd/{fd}"):
+                print("paused", flush=True)
+                sys.stdin.readline()
+            locking(fd, operation)
+
+        fcntl.flock = flock_after_a_pause
+        tensor = ExtensibleTensor(64 << 20, "cpu")
+        tensor.resize_(8 << 20)
+        print("holding", tensor.physical_bytes, flush=True)
+        sys.stdin.readline()
+        """,
+    )
+    children.append(child)
+    child.expect("paused")
+    # Top reads the state directory while the child is between the two
+    # steps: it may show the child or not, but must not take it for dead.
+    snapshot(state)
+    child.tell("go on")
+    assert child.expect("holding") == str(8 * MiB)
+    claims = {p.pid: claimed for p, claimed in _ledger(state).read().claims.items()}
+    assert claims == {child.pid: 8 * MiB}
+    assert len(list((state / "procs").glob(f"{child.pid}-*.lock"))) == 1
+
+
+def test_a_limit_read_between_a_writes_two_stores_waits_for_the_write(
+    state: Path, children: list[Child]
+) -> None:
+    writer = Child(
+        state,
+        f"""
+        import sys
+        from extensible_kv.budget import Ledger, state_dir
+        from extensible_kv.budget.ledger import _LIMIT
+
+        class PausingHeader:
+            # Test-only hook: the ledger's header, which stops the writer after
+            # it stores a limit and before it stores the limit's revision.
+            def __init__(self, header):
+                self.header = header
+            def __getitem__(self, index):
+                return self.header[index]
+            def __setitem__(self, index, value):
+                self.header[index] = value
+                if index == _LIMIT:
+                    print("paused", flush=True)
+                    sys.stdin.readline()
+
+        ledger = Ledger(state_dir(), {UUID!r})
+        ledger._header = PausingHeader(ledger._header)
+        print("wrote", ledger.set_limit(8 << 20).revision, flush=True)
+        sys.stdin.readline()
+        """,
+    )
+    children.append(writer)
+    ledger = _ledger(state)
+    writer.expect("paused")
+    seen: list[Limit] = []
+    reader = threading.Thread(target=lambda: seen.append(ledger.limit()))
+    reader.start()
+    reader.join(0.5)  # long enough for a read that does not wait for the write
+    writer.tell("go on")
+    assert writer.expect("wrote") == "1"
+    reader.join(PATIENCE_S)
+    assert not reader.is_alive()
+    assert seen == [Limit(8 * MiB, 1)]
+
+
+#: Limits the writer of the next test writes.
+LIMIT_WRITES = 30000
+
+
+def test_a_limit_read_during_writes_is_one_a_write_made(state: Path, children: list[Child]) -> None:
+    writer = Child(
+        state,
+        f"""
+        import sys
+        from extensible_kv.budget import Ledger, state_dir
+        ledger = Ledger(state_dir(), {UUID!r})
+        print("ready", flush=True)
+        sys.stdin.readline()
+        # Each write's bytes tell its revision, so a reader can check a pair.
+        written = ledger.set_limit(4096)
+        for _ in range({LIMIT_WRITES}):
+            written = ledger.set_limit(
+                (written.revision + 1) * 4096, expect_revision=written.revision
+            )
+        """,
+    )
+    children.append(writer)
+    ledger = _ledger(state)
+    writer.expect("ready")
+    writer.tell("go")
+    seen: list[Limit] = []
+    deadline = time.monotonic() + PATIENCE_S
+    while writer.process.poll() is None:
+        assert time.monotonic() < deadline, "the writer did not finish"
+        seen.extend(ledger.limit() for _ in range(1000))
+    assert writer.process.returncode == 0
+    made = {Limit(None, 0)} | {Limit(r * 4096, r) for r in range(1, LIMIT_WRITES + 2)}
+    assert any(1 < limit.revision < LIMIT_WRITES for limit in seen), "no read during the writes"
+    assert [limit for limit in seen if limit not in made] == []
+
+
+def test_a_forked_child_shows_only_its_own_caches(
+    state: Path, children: list[Child], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parent = Child(
+        state,
+        """
+        import os, time
+        from extensible_kv import ExtensibleTensor
+        tensor = ExtensibleTensor(64 << 20, "cpu")
+        tensor.resize_(8 << 20)
+        if os.fork() == 0:
+            own = ExtensibleTensor(64 << 20, "cpu")
+            own.resize_(4 << 20)
+            print("made", os.getpid(), flush=True)
+        time.sleep(600)
+        """,
+    )
+    children.append(parent)
+    child = int(parent.expect("made"))
+
+    def physical_bytes() -> dict[int, list[object]]:
+        """Each process's caches' physical bytes, as top shows them."""
+        document = _top(capsys)
+        shown = {pid: _process(document, pid) or {"caches": []} for pid in (parent.pid, child)}
+        return {pid: [c["physical_bytes"] for c in p["caches"]] for pid, p in shown.items()}  # type: ignore[attr-defined]
+
+    try:
+        _until(lambda: all(physical_bytes().values()), "both processes' caches")
+        assert physical_bytes() == {parent.pid: [8 * MiB], child: [4 * MiB]}
+    finally:
+        os.kill(child, signal.SIGKILL)

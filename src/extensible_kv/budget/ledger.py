@@ -3,11 +3,12 @@
 The ledger is a small file, ``devices/<uuid>.ledger`` in the state directory,
 that every process using the device maps ``MAP_SHARED``: a header (magic,
 version, the limit and its revision) and a table of slots, one per process,
-each holding that process's id and the bytes it claims. Reading the limit and
-adding to one's own slot are loads and stores into the mapping, with no system
-call; only a claim against a limit, taking a slot, and setting the limit hold
-the file's ``flock``, so claims under a limit are checked and recorded
-atomically across processes, and with no limit nothing is locked at all.
+each holding that process's id and the bytes it claims. Asking whether there
+is a limit and adding to one's own slot are loads and stores into the mapping,
+with no system call; only a claim against a limit, taking a slot, and setting
+or reading the limit with its revision hold the file's ``flock``, so claims
+under a limit are checked and recorded atomically across processes, a limit
+is read as one write left it, and with no limit nothing is locked at all.
 
 A slot whose process died still shows its claim until a process needs the
 room: a claim that does not fit first asks whether each holder lives
@@ -174,6 +175,18 @@ class Ledger:
         return self._header[_LIMIT] >= 0
 
     def limit(self) -> Limit:
+        """The limit and its revision, as one write left them.
+
+        Read under the file's lock, which every write of the limit holds: the
+        limit and its revision are two stores, and two loads without the lock
+        could pair one write's bytes with the next's revision, which a
+        controller would then pass as ``expect_revision``.
+        """
+        with self._locked():
+            return self._limit_now()
+
+    def _limit_now(self) -> Limit:
+        """The limit and its revision (caller holds the flock)."""
         raw = self._header[_LIMIT]
         return Limit(None if raw < 0 else raw, self._header[_REVISION])
 
@@ -342,7 +355,7 @@ class Ledger:
                 process = self._holder(i)
                 if process is not None:
                     claims[process] = claims.get(process, 0) + self._claims[i]
-            return LedgerView(self.device, self.limit(), claims)
+            return LedgerView(self.device, self._limit_now(), claims)
 
 
 def _open(path: Path) -> int:

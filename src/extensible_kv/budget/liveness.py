@@ -9,6 +9,30 @@ refused means alive. A PID alone could not say this: PIDs are reused, and a
 PID check cannot tell a live process from a new one that took its number.
 The random token makes a registration unique even when a PID comes back.
 
+Liveness is never decided on a file its owner has not locked yet. Creating a
+file and locking it are two steps, and a reader that opened the file between
+them would be granted its shared lock, conclude "dead", and remove the files
+of a process that is about to claim memory; the ledger would then zero that
+process's slot while it holds memory, and hand the slot to another. So the
+owner creates and locks the file under a temporary name that starts with a
+dot (``.<pid>-<token>.lock.tmp``, which readers skip), and only then links it
+to its final name: the final name exists only ever locked, and the lock goes
+with the inode, not the name. A reader that finds the final name unlocked
+therefore sees a dead owner, and the name cannot come back for another
+process (a new registration takes a new token, and a link never replaces a
+file), so removing it by name after the check removes nothing alive.
+
+Can a live process still be taken for dead, and its files removed? Not
+through this module. Something outside it can: removing the file (the state
+directory removed while processes use it, a cleaner of old files in /tmp) or
+closing the descriptor (a daemon closing every descriptor it has); every
+other process then takes the owner for dead. The owner does not watch for
+that: a check would cost a system call on paths that make none (a claim
+without a limit is a store into a mapping), and could not undo what the
+others did on seeing it dead (its claims zeroed, its slot handed on). A
+process killed while it registers may leave its temporary file behind;
+nothing reads it, and the directory is emptied at reboot.
+
 A forked child inherits the descriptor, and with it the lock; so that a
 parent's death is seen while its child lives on, the child closes its copy
 (``os.register_at_fork``) and registers itself afresh when it needs to.
@@ -61,15 +85,36 @@ def this_process(state_dir: Path) -> ProcessId:
             return found[0]
         while True:
             me = ProcessId(os.getpid(), secrets.randbits(63))
-            path = lock_path(state_dir, me)
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                continue
-            break
+            fd = _locked_in_place(lock_path(state_dir, me))
+            if fd is not None:
+                _registered[state_dir] = (me, fd)
+                return me
+
+
+def _locked_in_place(path: Path) -> int | None:
+    """A descriptor holding the exclusive lock of a new file at ``path``, or
+    None if that name is taken (another token is then drawn).
+
+    The file is made and locked under a temporary name, then linked to
+    ``path``: a reader never finds ``path`` unlocked while its owner lives.
+    """
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return None
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        _registered[state_dir] = (me, fd)
-        return me
+        os.link(temporary, path)
+    except FileExistsError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        temporary.unlink(missing_ok=True)
+    return fd
 
 
 def lock_path(state_dir: Path, process: ProcessId) -> Path:

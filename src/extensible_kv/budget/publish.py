@@ -7,7 +7,8 @@ figures soon after a claim changes (:meth:`Publisher.touch`) and at least
 every :data:`RESAMPLE_S`, and writes them when they differ from what it last
 wrote, under a temporary name renamed into place: a reader sees the old file
 or the new one, and a commit never waits for a write nor blocks another
-process. Caches register themselves (:func:`register_cache`).
+process. Caches register themselves (:func:`register_cache`); a forked child
+starts with none registered, and publishes the caches it makes.
 """
 
 from __future__ import annotations
@@ -164,9 +165,13 @@ def touch_all() -> None:
 
 
 def _after_fork_in_child() -> None:
+    """A child publishes only what it makes: the parent's caches claim in the
+    parent's name (the child's budget forgets their handles), and the
+    parent's publishers are threads the child does not have."""
     global _publishers_lock
     _publishers_lock = threading.Lock()
     _publishers.clear()
+    _caches.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
