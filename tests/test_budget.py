@@ -632,3 +632,13 @@ def test_a_handle_value_given_out_again_at_once_keeps_each_claim(state: Path) ->
     assert ledger.held == 2 * GRANULE
     budget.release(made[0])
     assert ledger.held == 0
+
+
+def test_a_wake_of_an_awake_cache_claims_nothing(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    cache = _cache(budget)
+    cache.commit(8)
+    ledger.set_limit(8 * MiB)  # full
+    cache.recommit(num_blocks=24)  # awake: nothing to do, so nothing to refuse
+    assert (cache.num_blocks_committed, cache.physical_bytes, ledger.held) == (8, 8 * MiB, 8 * MiB)
+    cache.free()

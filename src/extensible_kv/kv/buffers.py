@@ -684,15 +684,16 @@ class KVCacheBuffers:
             self._grow(num_blocks)
             self._asleep_at = self._wake_to = None
             return
+        if not (asleep or partly):
+            return
         target = self._wake_to if num_blocks is None else num_blocks
         # The restore and the growth past it claim their memory together: a
         # refusal comes before either, and leaves the cache asleep with its copy.
         with self._claimed(max(target or 0, self._asleep_at or 0)):
             self._recommit(keep_host_memory=keep_host_memory, staging_bytes=staging_bytes)
-            if (asleep or partly) and target is not None and target > self._committed:
+            if target is not None and target > self._committed:
                 self._grow(target)
-        if asleep or partly:
-            self._wake_to = None
+        self._wake_to = None
 
     def _recommit(self, *, keep_host_memory: bool, staging_bytes: int) -> None:
         if self._asleep_at is None:
