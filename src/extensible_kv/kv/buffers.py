@@ -467,10 +467,12 @@ class KVCacheBuffers:
         end is mapped again smaller with its live blocks kept, so
         :attr:`physical_bytes` ends at the minimum the granularity allows.
         Waits first for all work on the device (every stream, not only the
-        caller's). Unmapping is all or nothing across the buffers: if it
-        fails, nothing changed. If mapping a straddling chunk again smaller
-        fails (out of memory), the trim is done but that chunk stays whole
-        (counted in :attr:`physical_bytes`), and the error propagates.
+        caller's). All or nothing: if mapping a straddling chunk again
+        smaller fails (the driver is out of memory) or an unmap fails,
+        nothing changed and the error propagates. A device budget never
+        refuses a trim: its copy of a straddling chunk is claimed past a
+        full or lowered limit if it must (docs/budget.md), since the trim
+        ends holding less.
         """
         self._check_awake("trim()")
         self._check_unregistered("trim()")
