@@ -6,6 +6,7 @@ import ctypes
 import errno
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -273,3 +274,28 @@ def test_out_of_memory_is_a_torch_out_of_memory_error_and_changes_nothing() -> N
 def test_out_of_memory_error_is_torch_out_of_memory() -> None:
     assert issubclass(OutOfMemoryError, torch.OutOfMemoryError)
     assert issubclass(OutOfMemoryError, DriverError)
+
+
+def test_a_finalizer_calling_back_inside_a_driver_call_does_not_wait_on_itself() -> None:
+    # The garbage collector may run a finalizer at any allocation inside a
+    # driver call, on that call's thread: here the DLPack deleter of a freed
+    # tensor's last view, which returns the tensor's address range. The test
+    # holds the driver's lock as a call does while it allocates.
+    from extensible_kv import ExtensibleTensor
+
+    driver = HostDriver()
+    tensor = ExtensibleTensor(4 * G, "cpu", driver=driver)
+    tensor.resize_(G)
+    views = [tensor.full_view()]
+    tensor.free()  # the range outlives the view
+    assert driver._reservations
+
+    def last_view_goes_inside_a_call() -> None:
+        with driver._lock:
+            views.clear()
+
+    worker = threading.Thread(target=last_view_goes_inside_a_call, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the finalizer waited on the lock its own thread holds"
+    assert not driver._reservations

@@ -111,7 +111,15 @@ class HostDriver:
             )
         self._granularity = granularity
         self._alignment = max(granularity, _libc.HUGE_PAGE_BYTES)
-        self._lock = threading.Lock()
+        # Reentrant: the garbage collector may run a finalizer at any
+        # allocation inside a call holding this lock, on the same thread, and
+        # the finalizer calls back in (a DLPack deleter dropping a freed
+        # buffer's last view returns its reservation; a buffer dropped
+        # without free() returns everything). With a plain lock that thread
+        # waits on itself forever. What such a call touches is another
+        # buffer's reservation and handles, never the entries the
+        # interrupted call is working on.
+        self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._handles: dict[int, _Allocation] = {}
         self._reservations: dict[int, int] = {}
