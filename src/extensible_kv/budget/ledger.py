@@ -92,25 +92,20 @@ def check_limit(name: str, limit_bytes: object) -> None:
     bytes (what a ledger holds): TypeError or ValueError naming ``name``."""
     if limit_bytes is None:
         return
-    check_int(name, limit_bytes)
-    assert isinstance(limit_bytes, int)
-    if limit_bytes < 1:
-        raise ValueError(f"a limit must be at least 1 byte, got {limit_bytes}; use None for none")
-    if limit_bytes > MAX_SIZE_BYTES:
+    limit = check_int(name, limit_bytes)
+    if limit < 1:
+        raise ValueError(f"a limit must be at least 1 byte, got {limit}; use None for none")
+    if limit > MAX_SIZE_BYTES:
         raise ValueError(
             f"{name} must be at most {MAX_SIZE_BYTES} bytes (2**63 - 1, what a ledger "
-            f"holds), got {limit_bytes}"
+            f"holds), got {limit}"
         )
 
 
 def check_revision(name: str, revision: object) -> None:
     """Refuse a revision that is not None or an int of at least 0:
     TypeError or ValueError naming ``name``."""
-    if revision is None:
-        return
-    check_int(name, revision)
-    assert isinstance(revision, int)
-    if revision < 0:
+    if revision is not None and check_int(name, revision) < 0:
         raise ValueError(f"{name} must be at least 0, got {revision}")
 
 
