@@ -47,13 +47,15 @@ counts = st.integers(0, CAPACITY)
 
 
 class BudgetMachine(RuleBasedStateMachine):
-    """One cache on a budget of its own state directory."""
+    """One cache on ``budget``, which every run shares: a ledger takes a
+    slot per budget, for the life of the process."""
 
-    def __init__(self, state: Path) -> None:
+    def __init__(self, budget: BudgetDriver) -> None:
         super().__init__()
-        self.budget = BudgetDriver(backend("cpu"), state_dir=state)
+        self.budget = budget
         self.ledger: Ledger = self.budget.ledger(0)
         self.ledger.set_limit(None)
+        assert self.ledger.held == 0  # the last run's cache gave everything back
         tensors = [
             ExtensibleTensor(CAPACITY * BLOCK * 2, "cpu", num_segments=2, driver=self.budget)
             for _ in range(2)
@@ -197,4 +199,5 @@ def test_the_budget_keeps_its_promises_under_changing_limits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("EXTENSIBLE_KV_STATE_DIR", str(tmp_path))
-    run_state_machine_as_test(lambda: BudgetMachine(tmp_path))
+    budget = BudgetDriver(backend("cpu"), state_dir=tmp_path)
+    run_state_machine_as_test(lambda: BudgetMachine(budget))
