@@ -382,6 +382,10 @@ def limit(args: argparse.Namespace) -> int:
     return 0
 
 
+#: A row of ``limit --json``: keys of ``top``'s snapshot of a device.
+_LIMIT_KEYS = ("device", "type", "limit_bytes", "revision", "claimed_bytes")
+
+
 def _limit_row(uuid: str, written: Limit) -> dict[str, Any]:
     """A limit just written, as a row of ``limit --json``'s listing (bytes)."""
     ledger = Ledger(state_dir(), uuid)
@@ -389,25 +393,14 @@ def _limit_row(uuid: str, written: Limit) -> dict[str, Any]:
         claimed = ledger.read().claimed_bytes
     finally:
         ledger.close()
-    return {
-        "device": uuid,
-        "type": device_type(uuid),
-        "limit_bytes": written.bytes,
-        "revision": written.revision,
-        "claimed_bytes": claimed,
-    }
+    row = (uuid, device_type(uuid), written.bytes, written.revision, claimed)
+    return dict(zip(_LIMIT_KEYS, row, strict=True))
 
 
 def _show_limits(args: argparse.Namespace) -> int:
     state = snapshot(state_dir())
     if args.json:
-        rows = [
-            {
-                key: device[key]
-                for key in ("device", "type", "limit_bytes", "revision", "claimed_bytes")
-            }
-            for device in state["devices"]
-        ]
+        rows = [{key: device[key] for key in _LIMIT_KEYS} for device in state["devices"]]
         print(json.dumps(rows, indent=2))
         return 0
     if not state["devices"]:

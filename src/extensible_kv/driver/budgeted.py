@@ -174,13 +174,18 @@ class BudgetDriver(DriverAdaptor):
             found = self._local.accounts = {}
         return found
 
+    def _open_account(self, ledger: Ledger) -> _Account | None:
+        """This thread's open account on ``ledger``, if any (makes nothing:
+        every create and release asks)."""
+        accounts: dict[Ledger, _Account] | None = getattr(self._local, "accounts", None)
+        return None if not accounts else accounts.get(ledger)
+
     def _claim_for_create(self, ledger: Ledger, size: int) -> _Account | None:
         """Claim ``size`` bytes for a create: from this thread's open account
         on ``ledger`` if there is one (its balance, then the ledger, then,
         if the limit refuses, its credit), else from the ledger. Returns the
         account drawn on."""
-        accounts: dict[Ledger, _Account] | None = getattr(self._local, "accounts", None)
-        account = None if not accounts else accounts.get(ledger)
+        account = self._open_account(ledger)
         if account is None:
             ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
             return None
@@ -229,8 +234,7 @@ class BudgetDriver(DriverAdaptor):
         # going at the unmap; the library does that only just before
         # unmapping it (a discard), so the claim is early by one call at most.
         ledger, size = claim
-        accounts: dict[Ledger, _Account] | None = getattr(self._local, "accounts", None)
-        account = None if not accounts else accounts.get(ledger)
+        account = self._open_account(ledger)
         if account is not None:
             account.balance += size
         else:
