@@ -393,6 +393,16 @@ def test_the_limit_command_prints_what_it_set_as_json(
     assert json.loads(capsys.readouterr().out) == written | {"limit_bytes": None, "revision": 2}
 
 
+def _one_line_failure(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The CLI run with ``argv`` exits with status 1 and one line on stderr: that line."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    return err
+
+
 def test_a_corrupt_ledger_gives_a_clean_error(
     state: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -402,11 +412,7 @@ def test_a_corrupt_ledger_gives_a_clean_error(
     with pytest.raises(StateDirError, match="is not an extensible-kv ledger"):
         Ledger(state, "host-test")
     for argv in (["top", "--once", "--json"], ["limit"]):
-        with pytest.raises(SystemExit) as exited:
-            main(argv)
-        assert exited.value.code == 1
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1
+        err = _one_line_failure(argv, capsys)
         assert "Traceback" not in err
         assert str(path) in err
         assert "not an extensible-kv ledger" in err
@@ -434,11 +440,7 @@ def test_a_symbolic_link_where_a_ledger_goes_gives_a_clean_error(
     assert tensor.physical_bytes == 0
     tensor.free()
     for argv in (["limit", "cpu", "1GiB"], ["limit"]):
-        with pytest.raises(SystemExit) as exited:
-            main(argv)
-        assert exited.value.code == 1
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1
+        err = _one_line_failure(argv, capsys)
         assert err.startswith(f"extensible-kv limit: error: {path} is not an extensible-kv ledger")
         assert message in err
     assert path.is_symlink()  # left for the user to remove
