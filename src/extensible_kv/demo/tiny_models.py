@@ -17,10 +17,14 @@ import torch
 ARCHITECTURES = ("llama", "qwen3")
 
 
-def save_tiny_model(architecture: str, directory: str | Path, *, num_layers: int = 2) -> Path:
+def save_tiny_model(
+    architecture: str, directory: str | Path, *, num_layers: int = 2, num_kv_heads: int = 2
+) -> Path:
     """Write a tiny random ``architecture`` model (one of :data:`ARCHITECTURES`)
     to ``directory`` (made if missing) and return it; an existing model there
-    is kept. 4 query heads share 2 KV heads of 32; vocabulary of 512."""
+    is kept. Twice ``num_kv_heads`` query heads share ``num_kv_heads`` KV
+    heads of 32 (more KV heads: more KV bytes per token, the same small
+    hidden size); vocabulary of 512."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if architecture not in ARCHITECTURES:
@@ -35,8 +39,8 @@ def save_tiny_model(architecture: str, directory: str | Path, *, num_layers: int
         "hidden_size": 128,
         "intermediate_size": 256,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": 2 * num_kv_heads,
+        "num_key_value_heads": num_kv_heads,
         "head_dim": 32,
         "max_position_embeddings": 1024,
     }

@@ -39,8 +39,10 @@ own allocation with one warning.
 
 from __future__ import annotations
 
+import copy as _copy
 import dataclasses
 import logging
+import math
 import os
 import warnings
 from typing import Any
@@ -48,15 +50,23 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from extensible_kv import unavailable_reason, waiting_for_budget
+from extensible_kv import granule_size, unavailable_reason, waiting_for_budget
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
 from extensible_kv.kv import KVCache, OnDemandGrowth, allocate_kv_cache, at_capacity
+from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport
 from extensible_kv.kv.strided import segmentation
 
 check_vllm_version(installed_vllm())
 
 from vllm.platforms import current_platform  # noqa: E402
+
+from extensible_kv.integrations.vllm_options import (  # noqa: E402
+    GROWTH_MODES,
+    OPTIONS,
+    options_of,
+)
+from extensible_kv.integrations.vllm_scheduler import ExtensibleKVScheduler  # noqa: E402
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _VllmWorker
@@ -80,10 +90,7 @@ STATE_KEYS = (
     "sizing",
 )
 
-#: The options ``additional_config["extensible_kv"]`` takes.
-OPTIONS = ("num_blocks_capacity", "growth", "budget_wait_s")
-#: The values of the ``growth`` option.
-GROWTH_MODES = ("static", "on_demand")
+__all__ = ["GROWTH_MODES", "OPTIONS", "STATE_KEYS", "ExtensibleKVScheduler", "ExtensibleKVWorker"]
 
 
 class _HandOver(TorchFunctionMode):
@@ -138,6 +145,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self._kv: KVCache | None = None
         self._growth: OnDemandGrowth | None = None
+        self._elastic: ElasticBlocks | None = None
+        #: The scheduler's last orders (growth "elastic"), and the report
+        #: on them that goes back with this step's output.
+        self._orders: ElasticOrders | None = None
+        self._report: ElasticReport | None = None
         self._handover: _HandOver | None = None
         #: The measurement that sized the cache (determine_available_memory),
         #: and whether the reservation it made waits for vLLM's final count.
@@ -148,35 +160,10 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     # -- options ------------------------------------------------------------------
 
     def _options(self) -> dict[str, Any]:
-        extra = self.vllm_config.additional_config or {}
-        options = extra.get("extensible_kv", {}) if isinstance(extra, dict) else {}
-        unknown = sorted(set(options) - set(OPTIONS)) if isinstance(options, dict) else []
-        if not isinstance(options, dict) or unknown:
-            raise ValueError(
-                f"additional_config['extensible_kv'] takes a dict with "
-                f"{', '.join(OPTIONS)} only, got {', '.join(unknown) or repr(options)}"
-            )
-        growth = options.get("growth", "static")
-        if growth not in GROWTH_MODES:
-            raise ValueError(
-                f"additional_config['extensible_kv']['growth'] is {growth!r}; "
-                f"give one of {', '.join(map(repr, GROWTH_MODES))}"
-            )
-        wait = options.get("budget_wait_s", 0)
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
-            raise ValueError(
-                f"additional_config['extensible_kv']['budget_wait_s'] is {wait!r}; give the "
-                f"seconds a wake may wait for room under the device's budget (0 or more)"
-            )
-        if growth == "on_demand" and self._has_connector():
-            raise ValueError(
-                "additional_config['extensible_kv']['growth'] 'on_demand' cannot serve a KV "
-                "connector: what a connector registers must not grow; use 'static'"
-            )
-        return options
+        return options_of(self.vllm_config)
 
-    def _on_demand(self) -> bool:
-        return bool(self._options().get("growth") == "on_demand")
+    def _growth_mode(self) -> str:
+        return str(self._options().get("growth", "static"))
 
     def _capacity(self, config: Any, bytes_per_block: int) -> int:
         """Blocks to reserve address space for: the option, else as many as
@@ -184,7 +171,14 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         num_blocks = int(config.num_blocks)
         asked = self._options().get("num_blocks_capacity")
         if asked is None:
-            return max(num_blocks, _total_memory(self.device) // bytes_per_block)
+            capacity = max(num_blocks, _total_memory(self.device) // bytes_per_block)
+            if self._growth_mode() == "elastic":
+                # Every layer's segment starts on a granule, so that a unit
+                # of blocks takes the same granules in each.
+                row = segmentation(config).row_bytes
+                step = granule_size(self.device) // math.gcd(granule_size(self.device), row)
+                capacity = -(-capacity // step) * step
+            return capacity
         if isinstance(asked, bool) or not isinstance(asked, int) or asked < num_blocks:
             raise ValueError(
                 f"additional_config['extensible_kv']['num_blocks_capacity'] is {asked!r}, "
@@ -309,12 +303,18 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         # vLLM's views and block tables keep its count; the strides are the capacity's.
         runner_config = dataclasses.replace(layout, num_blocks=num_blocks)
         self._check_connector_pool(runner_config)
-        kv = allocate_kv_cache(layout, device=self.device, shareable=self._has_connector())
+        kv = allocate_kv_cache(
+            layout,
+            device=self.device,
+            shareable=self._has_connector(),
+            # Elastic memory gives single granules back: one chunk each.
+            chunk_bytes=granule_size(self.device) if self._growth_mode() == "elastic" else None,
+        )
         try:
             self._kv, self._layout = kv, layout
             self._commit_and_hand_over(runner_config)
         except BaseException:
-            self._kv = self._growth = None
+            self._kv = self._growth = self._elastic = None
             kv.free()
             raise
         if self._has_connector():
@@ -332,10 +332,17 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         let vLLM build and bind its views over the reservation."""
         assert self._kv is not None
         buffers, num_blocks = self._kv.buffers, int(runner_config.num_blocks)
-        if self._on_demand():
+        growth = self._growth_mode()
+        if growth == "on_demand":
             # Memory follows the ids the scheduler hands out (execute_model).
             self._growth = OnDemandGrowth(buffers, num_blocks)
             self._growth.start()
+        elif growth == "elastic":
+            # Memory follows the scheduler's orders (execute_model), in
+            # units of granules, not as the prefix the allocation committed.
+            buffers.trim(0)
+            self._elastic = ElasticBlocks(buffers, num_blocks)
+            self._elastic.start()
         else:
             buffers.commit(num_blocks, defragment=self._has_connector())
         self._handover = _HandOver(self._kv.backing[0])
@@ -471,7 +478,9 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if wait_s is None:
             wait_s = float(self._options().get("budget_wait_s", 0))
         with waiting_for_budget(wait_s):
-            if self._growth is not None:
+            if self._elastic is not None:
+                self._elastic.wake()
+            elif self._growth is not None:
                 self._growth.wake()
             else:
                 self._kv.buffers.recommit()
@@ -513,6 +522,12 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         """
         check_bool("preserve", preserve)
         kv = self._managed("sleep_kv_cache")
+        if preserve and self._elastic is not None:
+            raise RuntimeError(
+                "sleep_kv_cache(preserve=True) keeps a committed prefix, and growth 'elastic' "
+                "holds scattered units: sleep without preserve (and reset the prefix cache), "
+                "or use growth 'on_demand' or 'static'"
+            )
         if self._has_connector():
             raise RuntimeError(
                 f"sleep_kv_cache would release the KV cache, which {self._connector_name()} "
@@ -544,6 +559,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         ValueError naming them).
         """
         self._managed("trim_kv_cache")
+        if self._elastic is not None:
+            raise RuntimeError(
+                "trim_kv_cache is for growth 'on_demand': with growth 'elastic' the scheduler "
+                "gives memory back by itself, within a step of the load falling"
+            )
         if self._growth is None:
             raise RuntimeError(
                 "trim_kv_cache needs additional_config={'extensible_kv': {'growth': "
@@ -570,24 +590,93 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's step, after committing the blocks it is about to use (with
-        on-demand growth) and waking a KV cache still asleep: a step over
-        released memory would fault (a device fault; SIGSEGV on the host)."""
+        on-demand growth), applying the scheduler's orders (elastic growth)
+        and waking a KV cache still asleep: a step over released memory
+        would fault (a device fault; SIGSEGV on the host)."""
         if self._kv is not None:
             self._before_step(args[0] if args else kwargs.get("scheduler_output"))
-        return super().execute_model(*args, **kwargs)
+        return self._with_report(super().execute_model(*args, **kwargs))
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's sampling, which returns the step's output when
+        ``execute_model`` did not: the elastic report rides on it."""
+        return self._with_report(super().sample_tokens(*args, **kwargs))
+
+    def _with_report(self, output: Any) -> Any:
+        """``output`` carrying the report on this step's orders to the
+        scheduler (a copy: vLLM reuses one empty output for every empty step)."""
+        if output is None or self._report is None:
+            return output
+        output = _copy.copy(output)
+        output.extensible_kv, self._report = self._report, None
+        return output
 
     def _before_step(self, scheduler_output: Any) -> None:
         assert self._kv is not None
+        if self._elastic is not None and scheduler_output is not None:
+            self._before_elastic_step(scheduler_output)
+            return
         if self._kv.buffers.released:
-            warnings.warn(
-                "extensible-kv: a model step ran while the KV cache slept; it is woken "
-                "first (call wake_kv_cache before resuming the scheduler)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self._wake_kv()
+            self._wake_before_step()
         if self._growth is not None and scheduler_output is not None:
             self._growth.ensure(_scheduled_block_ids(scheduler_output))
+
+    def _wake_before_step(self) -> None:
+        warnings.warn(
+            "extensible-kv: a model step ran while the KV cache slept; it is woken "
+            "first (call wake_kv_cache before resuming the scheduler)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self._wake_kv()
+
+    def _before_elastic_step(self, scheduler_output: Any) -> None:
+        """Hold what the scheduler's orders say before the step runs. An
+        empty step while asleep only records them (the wake commits unit 0,
+        the next orders the rest)."""
+        assert self._kv is not None
+        assert self._elastic is not None
+        orders: ElasticOrders | None = getattr(scheduler_output, "extensible_kv", None)
+        if orders is not None:
+            self._orders = orders
+        if self._kv.buffers.released:
+            if not scheduler_output.total_num_scheduled_tokens:
+                if orders is not None:
+                    self._report = ElasticReport(orders.seq, 0)
+                return
+            self._wake_before_step()
+        if orders is not None:
+            self._report = self._agreed(self._elastic.apply(orders))
+        elif self._orders is not None and not self._elastic.holds_units(self._orders.held):
+            # Woken since the last orders: commit what they hold again.
+            self._elastic.apply(dataclasses.replace(self._orders, wanted=()))
+        used = _scheduled_block_ids(scheduler_output)
+        if not self._elastic.holds(used):
+            raise RuntimeError(
+                f"vLLM scheduled blocks outside the units the scheduler ordered "
+                f"({sorted(set(used))[:8]}...); run growth 'elastic' with "
+                f"scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'"
+            )
+
+    def _agreed(self, report: ElasticReport) -> ElasticReport:
+        """With tensor parallelism, the fewest units any rank got: every rank
+        keeps that many, so the ranks hold the same blocks."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        assert self._elastic is not None
+        assert self._orders is not None
+        group = get_tp_group()
+        if group.world_size == 1 or not self._orders.wanted:
+            return report
+        import torch.distributed as dist
+
+        granted = torch.tensor([report.granted], dtype=torch.int64)
+        dist.all_reduce(granted, op=dist.ReduceOp.MIN, group=group.cpu_group)
+        agreed = int(granted.item())
+        if agreed < report.granted:
+            wanted = [u for lo, hi in self._orders.wanted for u in range(lo, hi)]
+            self._elastic.give_back(wanted[agreed : report.granted])
+        return ElasticReport(report.seq, agreed)
 
     # -- inspection ----------------------------------------------------------------
 
@@ -618,22 +707,32 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
                 "enabled": False,
             }
         buffers = self._kv.buffers
+        held = None if self._elastic is None else self._elastic.num_blocks_held
         return {
             "reserved_bytes": buffers.reserved_bytes,
-            "committed_bytes": buffers.committed_bytes,
+            "committed_bytes": (
+                buffers.committed_bytes if held is None else held * buffers.bytes_per_block
+            ),
             "physical_bytes": buffers.physical_bytes,
-            "num_blocks_committed": buffers.num_blocks_committed,
+            "num_blocks_committed": buffers.num_blocks_committed if held is None else held,
             "num_blocks_capacity": buffers.num_blocks_capacity,
             "base_ptrs": buffers.base_ptrs,
             "asleep": buffers.released,
             "host_backup_bytes": buffers.host_backup_bytes,
-            "growth": "static" if self._growth is None else "on_demand",
-            "high_water_blocks": (
-                buffers.num_blocks_committed if self._growth is None else self._growth.high_water
-            ),
+            "growth": self._growth_mode(),
+            "high_water_blocks": self._high_water(),
             "sizing": self._sizing,
             "enabled": True,
         }
+
+    def _high_water(self) -> int:
+        """The most blocks committed at once so far."""
+        if self._elastic is not None:
+            return self._elastic.high_water
+        if self._growth is not None:
+            return self._growth.high_water
+        assert self._kv is not None
+        return self._kv.buffers.num_blocks_committed
 
 
 def _scheduled_block_ids(scheduler_output: Any) -> list[int]:

@@ -1,0 +1,452 @@
+"""vLLM's scheduler deciding what KV memory its workers hold (``growth: "elastic"``).
+
+::
+
+    LLM(model,
+        worker_cls="extensible_kv.integrations.vllm.ExtensibleKVWorker",
+        scheduler_cls="extensible_kv.integrations.vllm.ExtensibleKVScheduler",
+        additional_config={"extensible_kv": {"growth": "elastic"}})
+
+vLLM tells a worker which blocks a step uses, never which blocks were freed
+or which its prefix cache keeps; the scheduler knows. This subclass of
+vLLM's :class:`Scheduler` (chosen with vLLM's ``scheduler_cls``, no patch)
+keeps the blocks in use and the cached ones packed in as few **units**
+(about a granule's worth of consecutive block ids) as it can, and sends every
+worker, on the :class:`SchedulerOutput` vLLM already sends each step, the
+:class:`~extensible_kv.kv.elastic.ElasticOrders`: the units the step may use
+and the units to commit ahead. Workers answer on the output they return
+(:class:`~extensible_kv.kv.elastic.ElasticReport`).
+
+How the blocks are handed out (:class:`PackedFreeQueue`, the block pool's
+free queue in this scheduler):
+
+- **Lowest id first.** Free blocks without a prefix hash go out lowest id
+  first, so use packs into the low units and the high ones empty.
+- **Only blocks of committed units** are free as vLLM sees them. A block of
+  a unit no worker has confirmed is kept out of the queue, so vLLM never
+  hands it out: when the load needs more, the scheduler orders units ahead
+  (what waiting and running requests need), and their blocks join the queue
+  once the workers report them committed. What a device budget refuses is
+  then simply blocks vLLM does not have: it queues or preempts as it does
+  with a full pool, and no step fails on a refused commit.
+- **The prefix cache within ``cache_bytes``.** Blocks no request holds
+  that keep a prefix hash stay, least recently used first out, up to
+  ``cache_bytes`` of them; past it the oldest lose their hash (vLLM's own
+  ``evict_blocks``). A unit whose every block is free and uncached is given
+  back while the free blocks of committed units cover what the requests
+  need.
+
+When no request runs, :meth:`ExtensibleKVScheduler.has_requests` stays true
+while orders wait to go out, so vLLM's engine-core loop (the default, a
+process of its own) runs one empty step that carries them: memory is back
+within a step of the load falling. An engine stepped in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps only while ``generate`` runs,
+so there the orders go with the next step.
+
+This scheduler subclasses vLLM's synchronous ``Scheduler`` (vLLM's
+``AsyncScheduler`` overlaps a step with the next schedule, and a unit given
+back must not be in use by a step still running): vLLM warns that a custom
+scheduler runs without async scheduling.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from extensible_kv.integrations.vllm_options import options_of
+from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, ranges_of, units_of
+from extensible_kv.kv.strided import segmentation
+
+logger = logging.getLogger(__name__)
+
+#: The memory a unit of blocks is packed to: a granule of the host backend
+#: and of CUDA's device memory (2 MiB). Workers map exactly whatever their
+#: granularity; this only sizes the units the scheduler packs and counts.
+UNIT_BYTES = 2 << 20
+#: Seconds before units a budget refused are asked for again.
+REFUSED_RETRY_S = 0.05
+
+_USED, _CLEAN, _CACHED, _HIDDEN = 0, 1, 2, 3
+
+
+class PackedFreeQueue:
+    """vLLM's free-block queue with the order and the hiding above.
+
+    It offers what vLLM's ``BlockPool`` calls on its
+    ``FreeKVCacheBlockQueue`` (``popleft``, ``popleft_n``, ``remove``,
+    ``append``, ``append_n``, ``prepend_n``, ``get_all_free_blocks``,
+    ``num_free_blocks``), in O(log n) per block: free blocks without a hash
+    in a heap by id, the rest (cached blocks, and blocks vLLM appends as last
+    resort) in least-recently-used order. Blocks of hidden units are in
+    neither, and not counted free.
+
+    Args:
+        blocks: every block of the pool, by id (vLLM's ``KVCacheBlock``).
+        free: the blocks free now (all hidden at first but unit 0's).
+        blocks_per_unit: blocks per unit.
+    """
+
+    def __init__(self, blocks: list[Any], free: list[Any], blocks_per_unit: int) -> None:
+        self._blocks = blocks
+        self.blocks_per_unit = blocks_per_unit
+        self.num_units = -(-len(blocks) // blocks_per_unit)
+        self._state = bytearray(len(blocks))  # every block _USED
+        self._heap: list[int] = []
+        self._lru: dict[int, None] = {}
+        self._clean = 0
+        #: Per unit: free blocks without a hash, and cached ones.
+        self.clean_in = [0] * self.num_units
+        self.cached_in = [0] * self.num_units
+        #: Set by every change; the scheduler clears it when it plans.
+        self.changed = True
+        for block in free:
+            self._state[block.block_id] = _HIDDEN
+        self.reveal(0)
+
+    # -- what vLLM's block pool calls -----------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._clean + len(self._lru)
+
+    def popleft(self) -> Any:
+        while self._heap:
+            block_id = heapq.heappop(self._heap)
+            if self._state[block_id] == _CLEAN:
+                self._take(block_id)
+                return self._blocks[block_id]
+        if self._lru:
+            block_id = next(iter(self._lru))
+            self._take(block_id)
+            return self._blocks[block_id]
+        raise ValueError("No free block available")
+
+    def popleft_n(self, n: int) -> list[Any]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"{n} free blocks asked for, {self.num_free_blocks} free")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: Any) -> None:
+        self._take(block.block_id)
+
+    def append(self, block: Any) -> None:
+        self._to_cached(block.block_id)
+
+    def append_n(self, blocks: list[Any]) -> None:
+        for block in blocks:
+            self._to_cached(block.block_id)
+
+    def prepend_n(self, blocks: list[Any]) -> None:
+        for block in blocks:
+            self._to_clean(block.block_id)
+
+    def get_all_free_blocks(self) -> list[Any]:
+        clean = sorted(i for i in set(self._heap) if self._state[i] == _CLEAN)
+        return [self._blocks[i] for i in (*clean, *self._lru)]
+
+    # -- transitions -----------------------------------------------------------
+
+    def _take(self, block_id: int) -> None:
+        """A free block goes to use (handed out, or hit in the prefix cache)."""
+        state, unit = self._state[block_id], block_id // self.blocks_per_unit
+        if state == _CLEAN:
+            self._clean -= 1
+            self.clean_in[unit] -= 1
+        elif state == _CACHED:
+            del self._lru[block_id]
+            self.cached_in[unit] -= 1
+        else:
+            raise AssertionError(f"block {block_id} is not free")
+        self._state[block_id] = _USED
+        self.changed = True
+
+    def _to_clean(self, block_id: int) -> None:
+        if self._state[block_id] == _CACHED:
+            del self._lru[block_id]
+            self.cached_in[block_id // self.blocks_per_unit] -= 1
+        self._state[block_id] = _CLEAN
+        self._clean += 1
+        self.clean_in[block_id // self.blocks_per_unit] += 1
+        heapq.heappush(self._heap, block_id)
+        if len(self._heap) > 4 * self._clean + 1024:
+            self._heap = [i for i in set(self._heap) if self._state[i] == _CLEAN]
+            heapq.heapify(self._heap)
+        self.changed = True
+
+    def _to_cached(self, block_id: int) -> None:
+        self._state[block_id] = _CACHED
+        self._lru[block_id] = None
+        self.cached_in[block_id // self.blocks_per_unit] += 1
+        self.changed = True
+
+    # -- what the scheduler calls ------------------------------------------------
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks in least-recently-used order (cached ones)."""
+        return len(self._lru)
+
+    @property
+    def num_clean(self) -> int:
+        """Free blocks of committed units without a hash."""
+        return self._clean
+
+    def cached_oldest_first(self) -> list[int]:
+        """The cached blocks' ids, least recently used first."""
+        return list(self._lru)
+
+    def cached_of(self, unit: int) -> list[int]:
+        """The cached blocks of ``unit``."""
+        return [i for i in self.unit_blocks(unit) if self._state[i] == _CACHED]
+
+    def holds_no_request(self, unit: int) -> bool:
+        """Whether every block of ``unit`` is free (cached or not)."""
+        return self.clean_in[unit] + self.cached_in[unit] == len(self.unit_blocks(unit))
+
+    def forget(self, block_id: int) -> None:
+        """A cached block lost its hash: it is free and clean now."""
+        self._to_clean(block_id)
+
+    def forget_all(self) -> None:
+        """Every cached block lost its hash (the prefix cache was reset)."""
+        for block_id in list(self._lru):
+            self._to_clean(block_id)
+
+    def unit_blocks(self, unit: int) -> range:
+        per = self.blocks_per_unit
+        return range(unit * per, min((unit + 1) * per, len(self._blocks)))
+
+    def is_empty(self, unit: int) -> bool:
+        """Whether every block of ``unit`` is free without a hash."""
+        return self.clean_in[unit] == len(self.unit_blocks(unit))
+
+    def hide(self, unit: int) -> None:
+        """Take an empty unit's blocks out of circulation."""
+        for block_id in self.unit_blocks(unit):
+            if self._state[block_id] == _CLEAN:
+                self._state[block_id] = _HIDDEN
+                self._clean -= 1
+                self.clean_in[unit] -= 1
+        self.changed = True
+
+    def reveal(self, unit: int) -> None:
+        """Put a hidden unit's blocks into circulation."""
+        for block_id in self.unit_blocks(unit):
+            if self._state[block_id] == _HIDDEN:
+                self._to_clean(block_id)
+
+
+class ElasticPlan:
+    """Which units the workers hold, and the orders that change it.
+
+    Args:
+        pool: vLLM's ``BlockPool`` (its free queue is replaced by a
+            :class:`PackedFreeQueue`).
+        blocks_per_unit: blocks per unit.
+        cache_blocks: the most blocks kept for the prefix cache.
+    """
+
+    def __init__(self, pool: Any, blocks_per_unit: int, cache_blocks: int) -> None:
+        self.pool = pool
+        self.queue = PackedFreeQueue(
+            pool.blocks, pool.free_block_queue.get_all_free_blocks(), blocks_per_unit
+        )
+        pool.free_block_queue = self.queue
+        self.cache_blocks = cache_blocks
+        self.committed = bytearray(self.queue.num_units)
+        self.committed[0] = 1
+        self._pending: list[int] = []
+        self._sent_held: tuple[tuple[int, int], ...] = ()  # the first plan sends
+        self._seq = 0
+        self._retry_at = 0.0
+
+    @property
+    def blocks_per_unit(self) -> int:
+        return self.queue.blocks_per_unit
+
+    def needs_step(self) -> bool:
+        """Whether a step would change what the workers hold (checked when
+        no request runs, so that memory follows the load down)."""
+        return self.queue.changed
+
+    def plan(self, demand_blocks: int) -> ElasticOrders | None:
+        """Orders for the next step, if they change anything: trim the cache
+        to its bound, give back empty units past ``demand_blocks`` free
+        blocks, ask for units up to it."""
+        queue = self.queue
+        self._bound_cache()
+        wanted: list[int] = []
+        if queue.num_clean < demand_blocks:
+            if not self._pending and time.monotonic() >= self._retry_at:
+                wanted = self._units_to_commit(demand_blocks - queue.num_clean)
+        else:
+            self._release(queue.num_clean - demand_blocks)
+        queue.changed = False
+        held = ranges_of(u for u in range(queue.num_units) if self.committed[u])
+        if not wanted and held == self._sent_held:
+            return None
+        self._seq += 1
+        self._pending = wanted
+        self._sent_held = held
+        return ElasticOrders(self._seq, self.blocks_per_unit, held, ranges_of(wanted))
+
+    def _bound_cache(self) -> None:
+        """Keep the units held only for cached blocks within ``cache_blocks``
+        blocks: evict the cached blocks of such units, the unit of the least
+        recently used block first. (Cached blocks in a unit a request uses
+        cost no memory of their own, and stay.)"""
+        queue = self.queue
+        only_cached = {
+            unit: len(queue.unit_blocks(unit))
+            for unit in range(1, queue.num_units)
+            if queue.cached_in[unit] and queue.holds_no_request(unit)
+        }
+        excess = sum(only_cached.values()) - self.cache_blocks
+        for block_id in queue.cached_oldest_first():
+            if excess <= 0:
+                break
+            unit = block_id // self.blocks_per_unit
+            if unit in only_cached:
+                doomed = queue.cached_of(unit)
+                self.pool.evict_blocks(set(doomed))
+                for doomed_id in doomed:
+                    queue.forget(doomed_id)
+                excess -= only_cached.pop(unit)
+
+    def _units_to_commit(self, blocks: int) -> list[int]:
+        units: list[int] = []
+        for unit in range(self.queue.num_units):
+            if blocks <= 0:
+                break
+            if not self.committed[unit]:
+                units.append(unit)
+                blocks -= len(self.queue.unit_blocks(unit))
+        return units
+
+    def _release(self, surplus_blocks: int) -> None:
+        """Give back empty units, highest first, while the free blocks left
+        still cover the demand."""
+        queue = self.queue
+        for unit in range(queue.num_units - 1, 0, -1):
+            if surplus_blocks < 1:
+                break
+            size = len(queue.unit_blocks(unit))
+            if size <= surplus_blocks and self.committed[unit] and queue.is_empty(unit):
+                queue.hide(unit)
+                self.committed[unit] = 0
+                surplus_blocks -= size
+
+    def confirm(self, orders: ElasticOrders | None, report: ElasticReport | None) -> None:
+        """The workers' answer: the units of ``orders.wanted`` they
+        committed join the free blocks; the rest are asked for again later."""
+        if orders is None or not orders.wanted:
+            return
+        granted = report.granted if report is not None and report.seq == orders.seq else 0
+        units = units_of(orders.wanted)
+        for unit in units[:granted]:
+            self.committed[unit] = 1
+            self.queue.reveal(unit)
+        if granted < len(units):
+            self._retry_at = time.monotonic() + REFUSED_RETRY_S
+            logger.debug("extensible-kv: %d of %d units refused", len(units) - granted, len(units))
+        self._pending = []
+        self.queue.changed = True
+
+    @contextmanager
+    def all_visible(self) -> Iterator[None]:
+        """Every block in circulation for a moment (vLLM's prefix-cache reset
+        counts free blocks); hidden again after, and cached ones forgotten if
+        the reset dropped their hashes."""
+        hidden = [u for u in range(self.queue.num_units) if not self.committed[u]]
+        for unit in hidden:
+            self.queue.reveal(unit)
+        try:
+            yield
+        finally:
+            if all(block.block_hash is None for block in self.pool.blocks):
+                self.queue.forget_all()
+            for unit in hidden:
+                self.queue.hide(unit)
+
+
+def blocks_per_unit(kv_cache_config: Any) -> int:
+    """Blocks in :data:`UNIT_BYTES` of the buffer's largest blocks (at least 1)."""
+    return max(1, UNIT_BYTES // segmentation(kv_cache_config).row_bytes)
+
+
+class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
+    """vLLM's scheduler, deciding the KV memory of ``growth: "elastic"`` (see
+    the module); with any other growth, vLLM's scheduler unchanged."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        options = options_of(vllm_config)
+        self._elastic: ElasticPlan | None = None
+        if options.get("growth") != "elastic":
+            return
+        num_blocks = int(kv_cache_config.num_blocks)
+        bytes_per_block = int(kv_cache_config.kv_cache_tensors[0].size) // num_blocks
+        cache_bytes = options.get("cache_bytes")
+        if cache_bytes is None:
+            cache_bytes = default_cache_bytes(num_blocks * bytes_per_block)
+        per_unit = blocks_per_unit(kv_cache_config)
+        self._elastic = ElasticPlan(
+            self.kv_cache_manager.block_pool, per_unit, cache_bytes // bytes_per_block
+        )
+        logger.info(
+            "extensible-kv: elastic KV memory, units of %d blocks, the prefix cache "
+            "within %d bytes (%d blocks)",
+            per_unit,
+            cache_bytes,
+            cache_bytes // bytes_per_block,
+        )
+
+    def _demand(self) -> int:
+        """Free blocks the requests need soon: the rest of every waiting
+        prompt, and what running requests need for two more tokens."""
+        size = self.block_size
+        need = sum(-(-(r.num_tokens + 2) // size) for r in self.waiting)
+        for request in self.running:
+            held = -(-request.num_computed_tokens // size)
+            need += max(0, -(-(request.num_tokens_with_spec + 2) // size) - held)
+        return need
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        orders = None
+        if self._elastic is not None:
+            orders = self._elastic.plan(self._demand())
+        output = super().schedule(*args, **kwargs)
+        if orders is not None:
+            output.extensible_kv = orders
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if self._elastic is not None:
+            self._elastic.confirm(
+                getattr(scheduler_output, "extensible_kv", None),
+                getattr(model_runner_output, "extensible_kv", None),
+            )
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def has_requests(self) -> bool:
+        if super().has_requests():
+            return True
+        return self._elastic is not None and self._elastic.needs_step()
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        if self._elastic is None:
+            return bool(super().reset_prefix_cache(*args, **kwargs))
+        with self._elastic.all_visible():
+            return bool(super().reset_prefix_cache(*args, **kwargs))
+
+
+def default_cache_bytes(kv_cache_bytes: int) -> int:
+    """The default ``cache_bytes``: an eighth of the KV cache vLLM sized."""
+    return kv_cache_bytes // 8

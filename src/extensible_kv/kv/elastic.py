@@ -1,0 +1,284 @@
+"""Memory that follows an engine's blocks down as well as up: any unit of
+blocks committed or given back, not only the tail.
+
+An engine's scheduler knows which blocks are in use, which its prefix cache
+keeps and which are free; the workers only map memory. The scheduler speaks
+in **units** (``blocks_per_unit`` consecutive block ids, about a granule's
+worth) and sends each worker, before every step that changes them, the
+:class:`ElasticOrders`: the units the step may use (``held``) and the units
+to commit ahead for the next steps if the memory is there (``wanted``).
+:class:`ElasticBlocks` makes a :class:`~extensible_kv.kv.KVCacheBuffers`
+hold exactly those units and answers with an :class:`ElasticReport`: how
+many ``wanted`` units it got. Tensor-parallel ranks get the same orders and
+so hold the same units.
+
+Units map to memory in every buffer and segment: unit ``u`` is blocks
+``[u * blocks_per_unit, (u + 1) * blocks_per_unit)``, bytes
+``[block * per_block, ...)`` of each segment, widened to whole granules. A
+granule is given back when no held unit has a byte in it, wherever it lies
+(holes in the reservation, as kvcached frees any empty page): a request
+started at the peak, holding high ids for minutes, does not keep the memory
+below it. That needs every granule to be its own physical chunk (the driver
+unmaps whole mappings), so the buffers are allocated with ``chunk_bytes``
+equal to their granularity.
+
+The memory held this way is not the buffers' committed prefix, which stays
+0: :class:`KVCacheBuffers` sleeps it (``release_physical``) like any other,
+and :meth:`ElasticBlocks.wake` commits unit 0 again; the next orders commit
+what the next step needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from extensible_kv._checks import check_int
+from extensible_kv.buffer import commit_together, release_outside_together
+from extensible_kv.driver import OutOfMemoryError
+from extensible_kv.kv.buffers import KVCacheBuffers
+
+#: Ranges of units, ``(start, end)``, end exclusive.
+UnitRanges = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ElasticOrders:
+    """What a worker holds for the next step, from the scheduler.
+
+    Attributes:
+        seq: the orders' number, increasing; the report names it.
+        blocks_per_unit: blocks per unit (the scheduler's packing unit).
+        held: unit ranges the step may use: committed before it runs, or
+            the step fails (waiting for the budget as a wake does).
+        wanted: unit ranges to commit ahead, lowest first, as far as the
+            memory (a device budget) allows; the report says how many units.
+    """
+
+    seq: int
+    blocks_per_unit: int
+    held: UnitRanges
+    wanted: UnitRanges = ()
+
+
+@dataclass(frozen=True)
+class ElasticReport:
+    """A worker's answer to :class:`ElasticOrders`: ``granted`` units of
+    ``wanted`` (the first ones, in order) are committed."""
+
+    seq: int
+    granted: int
+
+
+def units_of(ranges: Iterable[tuple[int, int]]) -> list[int]:
+    """Every unit of ``ranges``, in order."""
+    return [unit for start, end in ranges for unit in range(start, end)]
+
+
+def ranges_of(units: Iterable[int]) -> UnitRanges:
+    """Sorted, merged ``(start, end)`` ranges of ``units``."""
+    merged: list[tuple[int, int]] = []
+    for unit in sorted(set(units)):
+        if merged and merged[-1][1] == unit:
+            merged[-1] = (merged[-1][0], unit + 1)
+        else:
+            merged.append((unit, unit + 1))
+    return tuple(merged)
+
+
+class ElasticBlocks:
+    """Holds exactly the units an engine's scheduler orders (see the module).
+
+    Args:
+        buffers: the KV cache, reserved at its capacity with one chunk per
+            granule and nothing committed; this object commits and releases
+            its memory, the caller still owns it.
+        num_blocks: the engine's block count, the highest any id may reach.
+    """
+
+    def __init__(self, buffers: KVCacheBuffers, num_blocks: int) -> None:
+        check_int("num_blocks", num_blocks)
+        if not 1 <= num_blocks <= buffers.num_blocks_capacity:
+            raise ValueError(
+                f"num_blocks must be 1 to the capacity {buffers.num_blocks_capacity}, "
+                f"got {num_blocks}"
+            )
+        for tensor, _ in buffers.buffers:
+            buffer = tensor.buffer
+            if buffer.chunk_bytes != buffer.granularity:
+                raise ValueError(
+                    f"elastic memory gives back single granules, so every granule must be "
+                    f"its own chunk: allocate the cache with chunk_bytes={buffer.granularity} "
+                    f"(the granularity), not {buffer.chunk_bytes}"
+                )
+        if buffers.num_blocks_committed:
+            raise ValueError(
+                f"elastic memory starts from an empty cache; {buffers.num_blocks_committed} "
+                f"blocks are committed as a prefix (trim(0) first)"
+            )
+        self.buffers = buffers
+        self.num_blocks = num_blocks
+        #: Blocks per unit of the last orders (1 until the first).
+        self.blocks_per_unit = 1
+        self._held: set[int] = set()
+        #: The most blocks held at once so far.
+        self.high_water = 0
+
+    # -- what is held ---------------------------------------------------------
+
+    @property
+    def held_units(self) -> UnitRanges:
+        """The units held now, as ranges (empty while the cache sleeps)."""
+        return () if self.buffers.released else ranges_of(self._held)
+
+    @property
+    def num_blocks_held(self) -> int:
+        """Blocks of the units held (0 while the cache sleeps)."""
+        if self.buffers.released:
+            return 0
+        return sum(hi - lo for lo, hi in self._block_ranges(self._held))
+
+    def holds(self, block_ids: Iterable[int]) -> bool:
+        """Whether every one of ``block_ids`` lies in a held unit."""
+        if self.buffers.released:
+            return False
+        per = self.blocks_per_unit
+        return all(block_id // per in self._held for block_id in block_ids)
+
+    def holds_units(self, ranges: Iterable[tuple[int, int]]) -> bool:
+        """Whether every unit of ``ranges`` is held."""
+        return not self.buffers.released and set(units_of(ranges)) <= self._held
+
+    def _block_ranges(self, units: Iterable[int]) -> list[tuple[int, int]]:
+        """The block ranges of ``units``, within the engine's count."""
+        per, out = self.blocks_per_unit, []
+        for start, end in ranges_of(units):
+            lo, hi = start * per, min(end * per, self.num_blocks)
+            if lo < hi:
+                out.append((lo, hi))
+        return out
+
+    def _byte_ranges(self, units: Iterable[int]) -> list[list[tuple[int, int]]]:
+        """Per buffer, the ``(offset, size)`` bytes of ``units`` in every segment."""
+        blocks = self._block_ranges(units)
+        out = []
+        for tensor, per_block in self.buffers.buffers:
+            cap = tensor.segment_capacity_bytes
+            out.append(
+                [
+                    (segment * cap + lo * per_block, (hi - lo) * per_block)
+                    for segment in range(tensor.num_segments)
+                    for lo, hi in blocks
+                ]
+            )
+        return out
+
+    # -- changing it ----------------------------------------------------------
+
+    def start(self) -> None:
+        """Commit unit 0 (block 0, the null block engines pad block tables
+        with), before warm-up or the first step."""
+        self._commit({0})
+
+    def apply(self, orders: ElasticOrders) -> ElasticReport:
+        """Hold exactly ``orders.held`` plus as many ``orders.wanted`` units
+        as the memory allows; give back every granule no held unit touches.
+
+        Memory goes back first, so a budget has it for the commits. The
+        ``held`` units are committed all together or the call fails (a
+        device budget's refusal raises
+        :class:`~extensible_kv.BudgetExceededError`, after the wait
+        ``waiting_for_budget`` allows); ``wanted`` runs are committed in
+        order until one is refused, and the report counts those committed.
+        """
+        self._check_orders(orders)
+        if self.buffers.released:
+            raise ValueError("the KV cache sleeps; wake() before applying orders")
+        if orders.blocks_per_unit != self.blocks_per_unit:
+            self._rebase(orders.blocks_per_unit)
+        held = set(units_of(orders.held)) | {0}
+        self._release_outside(held | (self._held & set(units_of(orders.wanted))))
+        self._commit(held)
+        granted = 0
+        for start, end in orders.wanted:
+            run = set(range(start, end)) - self._held
+            try:
+                self._commit(run)
+            except OutOfMemoryError:
+                break
+            granted += end - start
+        self.high_water = max(self.high_water, self.num_blocks_held)
+        return ElasticReport(orders.seq, granted)
+
+    def give_back(self, units: Iterable[int]) -> None:
+        """Release ``units`` (ones the scheduler did not grant after all:
+        a tensor-parallel peer could not commit them)."""
+        self._release_outside(self._held - set(units))
+
+    def _check_orders(self, orders: ElasticOrders) -> None:
+        check_int("blocks_per_unit", orders.blocks_per_unit)
+        if orders.blocks_per_unit < 1:
+            raise ValueError(f"blocks_per_unit must be positive, got {orders.blocks_per_unit}")
+        limit = -(-self.num_blocks // orders.blocks_per_unit)
+        for start, end in (*orders.held, *orders.wanted):
+            if not 0 <= start < end <= limit:
+                raise ValueError(
+                    f"unit range [{start}, {end}) is outside the engine's {limit} units "
+                    f"of {orders.blocks_per_unit} blocks"
+                )
+
+    def _rebase(self, blocks_per_unit: int) -> None:
+        """Count what is held in units of ``blocks_per_unit`` blocks: every
+        new unit that overlaps a held block is held, and committed whole."""
+        blocks = [b for lo, hi in self._block_ranges(self._held) for b in range(lo, hi)]
+        self.blocks_per_unit, self._held = blocks_per_unit, set()
+        self._commit({block // blocks_per_unit for block in blocks})
+
+    def _commit(self, units: set[int]) -> None:
+        """Commit ``units`` not held yet, zeroed, all buffers at once."""
+        new = units - self._held
+        if not new:
+            return
+        ranges = self._byte_ranges(new)
+        tensors = [tensor for tensor, _ in self.buffers.buffers]
+        mapped = commit_together(
+            [(tensor.buffer, r) for tensor, r in zip(tensors, ranges, strict=True)]
+        )
+        for tensor, runs in zip(tensors, mapped, strict=True):
+            if not tensor.buffer.driver.zeroes_new_memory:
+                full = tensor.full_view()
+                for offset, size in runs:
+                    full[offset : offset + size].zero_()
+        self._held |= new
+
+    def _release_outside(self, keep: set[int]) -> None:
+        """Give back every granule holding no byte of ``keep``'s units."""
+        if not self._held - keep:
+            return
+        ranges = self._byte_ranges(keep)
+        tensors = [tensor for tensor, _ in self.buffers.buffers]
+        release_outside_together(
+            [(tensor.buffer, r) for tensor, r in zip(tensors, ranges, strict=True)]
+        )
+        self._held &= keep
+
+    # -- sleep ----------------------------------------------------------------
+
+    def release(self) -> None:
+        """Sleep: give every byte back; :meth:`wake` commits the same units
+        again. Idempotent."""
+        self.buffers.release_physical()
+
+    def wake(self) -> None:
+        """Wake after :meth:`release`: commit unit 0 only (the engine reset
+        its prefix cache with the sleep). The next :meth:`apply` commits
+        what the step needs. Does nothing while awake."""
+        if not self.buffers.released:
+            return
+        self.buffers.recommit(num_blocks=0)
+        self._held = set()
+        try:
+            self._commit({0})
+        except BaseException:
+            self.buffers.release_physical()
+            raise

@@ -1,0 +1,206 @@
+"""Elastic memory (kv/elastic.py): a cache holds exactly the units a
+scheduler orders, any of them, and gives back every granule no held unit
+touches, holes included."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extensible_kv import FaultInjectingDriver, StatisticsDriver
+from extensible_kv.driver import Driver
+from extensible_kv.kv import KVCacheBuffers
+from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ranges_of, units_of
+from extensible_kv.tensor import ExtensibleTensor
+from test_kv_buffers import CAPACITY, SHAPES, block
+
+
+def elastic_cache(device: str, driver: Driver) -> KVCacheBuffers:
+    """test_kv_buffers' cache, one chunk per granule."""
+    granule = driver.granularity(0, False)
+    buffers = [
+        (
+            ExtensibleTensor(
+                CAPACITY * per_block * segments,
+                device,
+                num_segments=segments,
+                driver=driver,
+                chunk_bytes=granule,
+            ),
+            per_block,
+        )
+        for segments, per_block in SHAPES
+    ]
+    return KVCacheBuffers(buffers, CAPACITY)
+
+
+def expected_physical(cache: KVCacheBuffers, blocks: set[int], granule: int) -> int:
+    """Bytes of the granules covering ``blocks`` in every buffer and segment."""
+    total = 0
+    for tensor, per_block in cache.buffers:
+        granules = set()
+        for segment in range(tensor.num_segments):
+            for b in blocks:
+                start = segment * tensor.segment_capacity_bytes + b * per_block
+                granules.update(range(start // granule, (start + per_block - 1) // granule + 1))
+        total += len(granules) * granule
+    return total
+
+
+def blocks_of(units: set[int], per_unit: int) -> set[int]:
+    return {b for u in units for b in range(u * per_unit, min((u + 1) * per_unit, CAPACITY))}
+
+
+def stamp(cache: KVCacheBuffers, index: int, value: int) -> None:
+    for tensor, per_block in cache.buffers:
+        for segment in range(tensor.num_segments):
+            block(tensor, per_block, segment, index).fill_(value)
+
+
+def values(cache: KVCacheBuffers, index: int) -> set[int]:
+    return {
+        int(v)
+        for tensor, per_block in cache.buffers
+        for segment in range(tensor.num_segments)
+        for v in block(tensor, per_block, segment, index).unique()
+    }
+
+
+@pytest.fixture
+def cache(stats: StatisticsDriver, device: str) -> Iterator[KVCacheBuffers]:
+    made = elastic_cache(device, stats)
+    yield made
+    made.free()
+
+
+def test_holds_exactly_the_units_ordered_holes_included(
+    cache: KVCacheBuffers, stats: StatisticsDriver
+) -> None:
+    granule = stats.granularity(0, False)
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    assert elastic.held_units == ((0, 1),)
+    report = elastic.apply(ElasticOrders(1, 4, held=((0, 1), (14, 16))))
+    assert report.granted == 0
+    held = blocks_of({0, 14, 15}, 4)
+    assert cache.physical_bytes == expected_physical(cache, held, granule)
+    stamp(cache, 60, 7)
+    # The middle of the cache comes back while block 60 stays: a hole.
+    elastic.apply(ElasticOrders(2, 4, held=((0, 1), (15, 16)), wanted=((3, 5),)))
+    assert values(cache, 60) == {7}
+    held = blocks_of({0, 3, 4, 15}, 4)
+    assert cache.physical_bytes == expected_physical(cache, held, granule)
+    assert values(cache, 13) == {0}  # newly held blocks read zero
+    assert elastic.holds([0, 13, 60])
+    assert not elastic.holds([20])
+    assert cache.num_blocks_committed == 0  # not a prefix
+
+
+def test_a_refused_wanted_run_stops_the_grant_and_held_units_stay(
+    stats: StatisticsDriver, device: str
+) -> None:
+    granule = stats.granularity(0, False)
+    limited = FaultInjectingDriver(stats)
+    cache = elastic_cache(device, limited)
+    try:
+        elastic = ElasticBlocks(cache, CAPACITY)
+        elastic.start()
+        elastic.apply(ElasticOrders(1, 8, held=((0, 2),)))
+        stamp(cache, 9, 3)
+        # Room for unit 2, not for unit 7 (its granules lie apart).
+        limited.byte_limit = expected_physical(cache, blocks_of({0, 1, 2}, 8), granule)
+        report = elastic.apply(ElasticOrders(2, 8, held=((0, 2),), wanted=((2, 3), (7, 8))))
+        assert report.granted == 1
+        assert elastic.held_units == ((0, 3),)
+        assert values(cache, 9) == {3}
+    finally:
+        cache.free()
+
+
+def test_sleep_gives_everything_back_and_wake_commits_unit_0_then_what_orders_hold(
+    cache: KVCacheBuffers,
+) -> None:
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    elastic.apply(ElasticOrders(1, 4, held=((0, 1), (10, 12))))
+    held = cache.physical_bytes
+    stamp(cache, 41, 5)
+    elastic.release()
+    assert cache.physical_bytes == 0
+    assert elastic.held_units == ()
+    assert not elastic.holds([0])
+    elastic.wake()
+    assert elastic.held_units == ((0, 1),)
+    assert not elastic.holds([41])
+    elastic.apply(ElasticOrders(2, 4, held=((0, 1), (10, 12))))
+    assert cache.physical_bytes == held
+    assert values(cache, 41) == {0}
+
+
+def test_bad_orders_are_refused_and_change_nothing(cache: KVCacheBuffers) -> None:
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    before = cache.physical_bytes
+    with pytest.raises(ValueError, match="outside the engine's 16 units"):
+        elastic.apply(ElasticOrders(1, 4, held=((15, 17),)))
+    with pytest.raises(ValueError, match="blocks_per_unit must be positive"):
+        elastic.apply(ElasticOrders(1, 0, held=()))
+    assert cache.physical_bytes == before
+    assert elastic.held_units == ((0, 1),)
+
+
+def test_a_prefix_committed_cache_or_one_chunk_per_run_is_refused(
+    stats: StatisticsDriver, device: str
+) -> None:
+    cache = elastic_cache(device, stats)
+    cache.commit(2)
+    with pytest.raises(ValueError, match="starts from an empty cache"):
+        ElasticBlocks(cache, CAPACITY)
+    cache.free()
+    plain = KVCacheBuffers([(ExtensibleTensor(CAPACITY * 4096, device, driver=stats), 4096)], 64)
+    with pytest.raises(ValueError, match="chunk_bytes="):
+        ElasticBlocks(plain, CAPACITY)
+    plain.free()
+
+
+unit_sets = st.sets(st.integers(0, 15), max_size=16)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=st.lists(st.tuples(unit_sets, unit_sets, st.sampled_from([4, 8])), max_size=6))
+def test_memory_follows_any_sequence_of_orders(
+    stats: StatisticsDriver, device: str, steps: list[tuple[set[int], set[int], int]]
+) -> None:
+    """The model: after each order the cache holds its held and wanted
+    units (and unit 0), exactly their granules are backed, a block held
+    throughout keeps what was written to it, and a newly held one reads zero
+    or, where its granule stayed mapped for a neighbour, its old bytes."""
+    granule = stats.granularity(0, False)
+    cache = elastic_cache(device, stats)
+    try:
+        elastic = ElasticBlocks(cache, CAPACITY)
+        elastic.start()
+        last: dict[int, int] = {}
+        for seq, (held, wanted, per_unit) in enumerate(steps, 1):
+            limit = -(-CAPACITY // per_unit)
+            held = {u % limit for u in held}
+            wanted = {u % limit for u in wanted} - held
+            before = blocks_of(set(units_of(elastic.held_units)), elastic.blocks_per_unit)
+            elastic.apply(ElasticOrders(seq, per_unit, ranges_of(held), ranges_of(wanted)))
+            now = blocks_of(held | wanted | {0}, per_unit)
+            assert elastic.held_units == ranges_of(held | wanted | {0})
+            assert cache.physical_bytes == expected_physical(cache, now, granule)
+            for b in sorted(now):
+                if b in before:
+                    assert values(cache, b) == {last.get(b, 0)}
+                else:
+                    assert values(cache, b) <= {0, last.get(b, 0)}
+                last[b] = seq % 250 + 1
+                stamp(cache, b, last[b])
+    finally:
+        cache.free()
