@@ -7,7 +7,8 @@ Settings (JSON): ``model``, ``worker`` ("ours": our worker and scheduler
 with ``growth: "elastic"``; "static": our worker with static growth;
 "stock"), ``trace`` (see TRACES), ``multiprocessing`` (vLLM's default
 engine-core process; else stepped in this process), ``tp`` (tensor
-parallel size), ``cache_bytes``, ``kv_bytes``, ``watch_modules`` (record
+parallel size), ``cache_bytes``, ``kv_bytes``, ``scheduler`` (false: ours
+without ``scheduler_cls``), ``watch_modules`` (record
 every vLLM module attribute before the engine and check none was
 replaced). The last line printed is ``RESULT`` and a JSON report: every
 request's tokens by name, and memory samples ``[label, physical_bytes,
@@ -16,6 +17,7 @@ blocks_in_use]``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -47,19 +49,25 @@ def prompt(seed: int, length: int, shared: int = 0) -> list[int]:
 
 
 def params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
-    )
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
 def vllm_attributes() -> dict[tuple[str, str], int]:
-    """Every attribute of every vLLM module imported so far, by identity."""
-    return {
-        (name, attr): id(value)
-        for name, module in list(sys.modules.items())
-        if name == "vllm" or name.startswith("vllm.")
-        for attr, value in list(vars(module).items())
-    }
+    """The code of every vLLM module imported so far, by identity: its
+    functions and classes, and every class's methods (what a patch would
+    replace; vLLM's own state, such as its process groups, changes freely)."""
+    code: dict[tuple[str, str], int] = {}
+    for name, module in list(sys.modules.items()):
+        if name != "vllm" and not name.startswith("vllm."):
+            continue
+        for attr, value in list(vars(module).items()):
+            if inspect.isfunction(value) or inspect.isclass(value):
+                code[name, attr] = id(value)
+            if inspect.isclass(value) and value.__module__ == name:
+                for method, member in list(vars(value).items()):
+                    if inspect.isfunction(member):
+                        code[name, f"{attr}.{method}"] = id(member)
+    return code
 
 
 class Trace:
@@ -131,7 +139,8 @@ class Trace:
         outlives the burst; stepped one step at a time (in-process)."""
         engine = self.llm.llm_engine
         for i in range(12):
-            engine.add_request(f"short{i}", TokensPrompt(prompt_token_ids=prompt(i, 300)), params(4))
+            short = TokensPrompt(prompt_token_ids=prompt(i, 300))
+            engine.add_request(f"short{i}", short, params(4))
         engine.add_request("long", TokensPrompt(prompt_token_ids=prompt(99, 20)), params(400))
         done: set[str] = set()
         peak_sampled = False
@@ -176,7 +185,7 @@ def main() -> None:
         kv_cache_memory_bytes=settings.get("kv_bytes", 128 << 20),
         tensor_parallel_size=settings.get("tp", 1),
         worker_cls=WORKER if worker in ("ours", "static") else "auto",
-        scheduler_cls=SCHEDULER if worker == "ours" else None,
+        scheduler_cls=SCHEDULER if worker == "ours" and settings.get("scheduler", True) else None,
         additional_config={"extensible_kv": extensible},
     )
     trace = Trace(llm, worker == "ours")

@@ -355,6 +355,9 @@ class ElasticPlan:
             self.queue.reveal(unit)
         if granted < len(units):
             self._retry_at = time.monotonic() + REFUSED_RETRY_S
+            # A worker may hold units it could not report (a peer refused
+            # them, a report went missing): the next orders say what to keep.
+            self._sent_held = ()
             logger.debug("extensible-kv: %d of %d units refused", len(units) - granted, len(units))
         self._pending = []
         self.queue.changed = True

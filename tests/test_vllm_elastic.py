@@ -1,0 +1,170 @@
+"""Elastic KV memory in a released vLLM (0.32, CPU build): our worker and
+scheduler (``growth: "elastic"``) against stock vLLM on the same traces.
+
+Every engine runs in a process of its own (``tests/vllm_elastic.py``) with a
+tiny random Llama whose 16 KV heads make a block (32 tokens) 128 KiB per
+layer, so a 2 MiB unit holds 16 blocks. Every request's greedy tokens must
+equal stock vLLM's (prefix caching on); memory must follow the load down
+as well as up. Runs in ``nox -s vllm``; skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from extensible_kv.demo.tiny_models import save_tiny_model
+
+ENGINE = Path(__file__).resolve().parent / "vllm_elastic.py"
+MiB = 1 << 20
+#: A unit: 16 blocks of 128 KiB in each of the model's 2 layers.
+UNIT_BYTES = 2 * 2 * MiB
+CACHE_BYTES = 16 * MiB
+
+
+def run(settings: dict[str, Any], *, env: dict[str, str] | None = None) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, str(ENGINE), json.dumps(settings)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    output = result.stdout + result.stderr
+    if settings.get("expect_failure"):
+        assert result.returncode != 0, output[-3000:]
+        return {"output": output}
+    assert result.returncode == 0, output[-6000:]
+    line = next(x for x in reversed(result.stdout.splitlines()) if x.startswith("RESULT "))
+    report: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return report
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny_model("llama", tmp_path_factory.mktemp("wide") / "llama", num_kv_heads=16))
+
+
+_stock: dict[str, dict[str, Any]] = {}
+
+
+def stock(model: str, trace: str, **settings: Any) -> dict[str, Any]:
+    """Stock vLLM's run of a trace, made once per module."""
+    key = json.dumps([trace, settings], sort_keys=True)
+    if key not in _stock:
+        _stock[key] = run({"model": model, "worker": "stock", "trace": trace, **settings})
+    return _stock[key]
+
+
+def physical(samples: list[list[Any]], label: str) -> int:
+    """The most physical bytes any rank held at the sample ``label``."""
+    return max(next(s for s in samples if s[0] == label)[2])
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True])
+def test_a_bursty_day_comes_back_down_with_stock_tokens(model: str, multiprocessing: bool) -> None:
+    reference = stock(model, "bursty", watch_modules=True)
+    report = run(
+        {
+            "model": model,
+            "worker": "ours",
+            "trace": "bursty",
+            "cache_bytes": CACHE_BYTES,
+            "multiprocessing": multiprocessing,
+            "watch_modules": not multiprocessing,
+        }
+    )
+    assert report["tokens"] == reference["tokens"]
+    samples = report["samples"]
+    peak = max(max(s[2]) for s in samples)
+    idle = physical(samples, "round 13 (0 requests)")
+    # Idle: unit 0 and the prefix cache's bound, nothing more.
+    assert idle <= UNIT_BYTES + CACHE_BYTES < peak
+    assert sum(report["cached"].values()) > 0  # the prefix cache still serves
+    if not multiprocessing:
+        # No vLLM function, class or method replaced, beyond what vLLM's
+        # CPU build replaces itself in a stock run.
+        assert set(report["replaced"]) <= set(reference["replaced"])
+
+
+def test_an_rl_loop_holds_the_same_memory_every_cycle(model: str) -> None:
+    reference = stock(model, "rl")
+    report = run({"model": model, "worker": "ours", "trace": "rl"})
+    assert report["tokens"] == reference["tokens"]
+    assert len(reference["tokens"]) == 15 * 8
+    samples = report["samples"]
+    generated = {physical(samples, f"cycle {c} generated") for c in range(15)}
+    woken = {physical(samples, f"cycle {c} woken") for c in range(15)}
+    assert len(generated) == 1, generated  # no ratchet
+    assert woken == {UNIT_BYTES}  # a wake commits unit 0 only
+
+
+def test_memory_below_a_long_request_started_at_the_peak_comes_back(model: str) -> None:
+    reference = stock(model, "long")
+    report = run({"model": model, "worker": "ours", "trace": "long", "cache_bytes": 0})
+    assert report["tokens"] == reference["tokens"]
+    samples = report["samples"]
+    # The long request holds the highest ids; the units below it go back.
+    assert physical(samples, "long runs") <= 2 * UNIT_BYTES < physical(samples, "burst done")
+    assert physical(samples, "idle") == UNIT_BYTES
+
+
+def test_a_burst_past_the_budget_waits_for_memory_and_never_passes_it(
+    model: str, tmp_path: Path
+) -> None:
+    reference = stock(model, "limit")
+    env = {"EXTENSIBLE_KV_STATE_DIR": str(tmp_path)}
+    limit = subprocess.run(
+        [str(Path(sys.executable).parent / "extensible-kv"), "limit", "cpu", "24MiB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    assert limit.returncode == 0, limit.stderr
+    report = run({"model": model, "worker": "ours", "trace": "limit"}, env=env)
+    assert report["tokens"] == reference["tokens"]
+    (state,) = report["state"]
+    bytes_per_block = 2 * 128 * 1024
+    assert state["high_water_blocks"] * bytes_per_block <= 24 * MiB
+    assert all(max(s[2]) <= 24 * MiB for s in report["samples"])
+    # Without the limit the burst holds more at once.
+    free = run({"model": model, "worker": "ours", "trace": "limit"})
+    assert free["state"][0]["high_water_blocks"] * bytes_per_block > 24 * MiB
+
+
+def test_tensor_parallel_ranks_hold_the_same_units(model: str) -> None:
+    settings: dict[str, Any] = {"cycles": 3, "tp": 2, "multiprocessing": True}
+    reference = stock(model, "rl", **settings)
+    settings["trace"] = "rl"
+    report = run({"model": model, "worker": "ours", **settings})
+    assert report["tokens"] == reference["tokens"]
+    for sample in report["samples"]:
+        assert len(set(sample[2])) == 1, sample  # both ranks alike
+    assert {s["num_blocks_committed"] for s in report["state"]} == {
+        report["state"][0]["num_blocks_committed"]
+    }
+
+
+def test_elastic_without_the_scheduler_is_refused_in_one_line(model: str) -> None:
+    report = run(
+        {
+            "model": model,
+            "worker": "ours",
+            "trace": "bursty",
+            "scheduler": False,
+            "expect_failure": True,
+        }
+    )
+    assert (
+        "'elastic' needs scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'"
+        in report["output"]
+    )
