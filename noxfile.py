@@ -49,7 +49,11 @@ def vllm(session: nox.Session) -> None:
         session.run("python", "benchmarks/bench_vllm.py", *session.posargs[1:])
         return
     session.run(
-        "pytest", "tests/test_vllm_engine.py", "tests/test_vllm_layouts.py", *session.posargs
+        "pytest",
+        "tests/test_vllm_engine.py",
+        "tests/test_vllm_layouts.py",
+        "tests/test_vllm_elastic.py",
+        *session.posargs,
     )
 
 

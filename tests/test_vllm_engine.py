@@ -237,6 +237,28 @@ def test_memory_follows_the_load(models: dict[str, str]) -> None:
     assert report["tokens_after_woke"] == reference["tokens"]
 
 
+def test_a_trim_right_after_generate_counts_only_running_requests(
+    models: dict[str, str],
+) -> None:
+    """growth: on_demand, engine in-process: no step runs after generate
+    returns, so vLLM's runner still lists the finished requests; they hold
+    no memory a trim must keep."""
+    report = run_engine(
+        {
+            "model": models["llama"],
+            "worker": "ours",
+            "additional_config": {"extensible_kv": {"growth": "on_demand"}},
+            "steps": ["trim_zero"],
+        }
+    )
+    start, trimmed = report["state_start"], report["state_trimmed_zero"]
+    # Not refused (counting the finished requests, it was: "running
+    # requests use up to block 14"): down to the first step.
+    assert report["trimmed_zero"] == trimmed["num_blocks_committed"]
+    assert trimmed["num_blocks_committed"] <= start["num_blocks_committed"]
+    assert report["tokens_after_trim_zero"] == report["tokens"]
+
+
 def test_without_a_size_the_cache_is_sized_from_what_warm_up_used(models: dict[str, str]) -> None:
     """No kv_cache_memory_bytes: ours reserves, warms up over a small prefix,
     measures everything else and commits what is left, in the same

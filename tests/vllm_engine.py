@@ -263,6 +263,14 @@ class Run:
         self.snapshot("woke")
         self.report["tokens_after_woke"], _ = generate(self.llm)
 
+    def step_trim_zero(self) -> None:
+        """Right after generate, in-process: the runner still lists the
+        finished requests, and a trim to 0 keeps only the first step."""
+        self.llm.reset_prefix_cache()
+        self.report["trimmed_zero"] = self.llm.collective_rpc("trim_kv_cache", args=(0,))[0]
+        self.snapshot("trimmed_zero")
+        self.report["tokens_after_trim_zero"], _ = generate(self.llm)
+
     def step_blocks(self) -> None:
         self.report["engine_blocks"] = self.rpc(engine_blocks)
 
@@ -284,6 +292,7 @@ STEPS = {
     "blocks": Run.step_blocks,
     "load": Run.step_load,
     "trim": Run.step_trim,
+    "trim_zero": Run.step_trim_zero,
     "slept": Run.step_slept,
     "trim_refused": Run.step_trim_refused,
     "keep": Run.step_keep,

@@ -581,10 +581,25 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         return self._growth.trim(num_blocks)
 
     def _blocks_in_use(self) -> int:
-        """One past the highest block id of the requests the runner holds."""
+        """One past the highest block id of the requests still running.
+
+        vLLM's runner lists a finished request until the next step tells it
+        so (``finished_req_ids``), and an engine stepped in-process takes no
+        step after ``generate`` returns: a request whose last token ended
+        it (its ``max_tokens``, the model's length, a stop token) is not
+        counted. (One ended by a stop string, which the front end finds,
+        still counts until the next step: the trim is then refused, never
+        wrong.)"""
         requests = getattr(self.model_runner, "requests", {})
+        max_len = int(self.vllm_config.model_config.max_model_len)
         return 1 + max(
-            (i for state in requests.values() for group in state.block_ids for i in group),
+            (
+                i
+                for state in requests.values()
+                if not _ended(state, max_len)
+                for group in state.block_ids
+                for i in group
+            ),
             default=-1,
         )
 
@@ -733,6 +748,19 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             return self._growth.high_water
         assert self._kv is not None
         return self._kv.buffers.num_blocks_committed
+
+
+def _ended(state: Any, max_model_len: int) -> bool:
+    """Whether a runner's request ended with its last token, by vLLM's own
+    rules for the tokens it has (``SamplingParams``)."""
+    params, output = state.sampling_params, state.output_token_ids
+    if params is None or not output:
+        return False
+    if params.max_tokens is not None and len(output) >= params.max_tokens:
+        return True
+    if len(state.prompt_token_ids or ()) + len(output) >= max_model_len:
+        return True
+    return len(output) >= params.min_tokens and output[-1] in params.all_stop_token_ids
 
 
 def _scheduled_block_ids(scheduler_output: Any) -> list[int]:

@@ -414,8 +414,8 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
     def _demand(self) -> int:
         """Free blocks the requests need soon: the rest of every waiting
         prompt, and what running requests need for two more tokens."""
-        size = self.block_size
-        need = sum(-(-(r.num_tokens + 2) // size) for r in self.waiting)
+        size = int(self.block_size)
+        need: int = sum(-(-(r.num_tokens + 2) // size) for r in self.waiting)
         for request in self.running:
             held = -(-request.num_computed_tokens // size)
             need += max(0, -(-(request.num_tokens_with_spec + 2) // size) - held)
