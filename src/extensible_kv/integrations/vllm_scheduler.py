@@ -353,6 +353,9 @@ class ElasticPlan:
         for unit in units[:granted]:
             self.committed[unit] = 1
             self.queue.reveal(unit)
+        # What the workers hold now: a later release must be sent even when
+        # it brings the held units back to what the last orders said.
+        self._sent_held = ranges_of([*units_of(orders.held), *units[:granted]])
         if granted < len(units):
             self._retry_at = time.monotonic() + REFUSED_RETRY_S
             # A worker may hold units it could not report (a peer refused
