@@ -53,6 +53,7 @@ def vllm(session: nox.Session) -> None:
         "tests/test_vllm_engine.py",
         "tests/test_vllm_layouts.py",
         "tests/test_vllm_elastic.py",
+        "tests/test_vllm_scheduler.py",
         *session.posargs,
     )
 

@@ -1,0 +1,161 @@
+"""The elastic scheduler's plan over vLLM's own block pool, as a state
+machine: requests take, cache and free blocks; each step the plan sends
+orders and a worker (a model: the units it holds, under a budget of
+units) answers. Runs in ``nox -s vllm``; skipped where vLLM is not
+installed.
+
+Invariants, after every rule:
+
+- every block a request holds lies in a unit the scheduler counts as
+  committed, and after every step the worker holds exactly those units;
+- vLLM's free count is the free blocks of committed units;
+- units held only for cached blocks stay within the cache's bound;
+- the worker never holds more units than its budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+from extensible_kv.integrations.vllm_scheduler import ElasticPlan
+from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, units_of
+
+NUM_BLOCKS = 70  # 9 units of 8, the last one short
+PER_UNIT = 8
+
+
+class Worker:
+    """What ElasticBlocks does with orders (tests/test_elastic.py checks
+    that against real memory), with a budget of units."""
+
+    def __init__(self, budget_units: int) -> None:
+        self.budget_units = budget_units
+        self.held = {0}
+
+    def apply(self, orders: ElasticOrders) -> ElasticReport:
+        wanted = units_of(orders.wanted)
+        self.held = set(units_of(orders.held)) | {0} | (self.held & set(wanted))
+        assert len(self.held) <= self.budget_units, "held units past the budget"
+        granted = 0
+        for unit in wanted:
+            if unit not in self.held and len(self.held) >= self.budget_units:
+                break
+            self.held.add(unit)
+            granted += 1
+        return ElasticReport(orders.seq, granted)
+
+
+class ElasticScheduling(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+        self.plan: ElasticPlan | None = None
+        self.worker = Worker(budget_units=9)
+        self.requests: dict[int, list[Any]] = {}
+        self.ids = itertools.count()
+        self.hashes = itertools.count()
+
+    @rule(cache_units=st.integers(0, 4), budget=st.integers(1, 9))
+    @precondition(lambda self: self.plan is None)
+    def start(self, cache_units: int, budget: int) -> None:
+        self.plan = ElasticPlan(self.pool, PER_UNIT, cache_units * PER_UNIT)
+        self.worker.budget_units = budget
+
+    @rule(blocks=st.integers(1, 20))
+    @precondition(lambda self: self.plan is not None)
+    def allocate(self, blocks: int) -> None:
+        if self.pool.get_num_free_blocks() >= blocks:
+            self.requests[next(self.ids)] = self.pool.get_new_blocks(blocks)
+
+    @rule(data=st.data(), cache=st.booleans())
+    @precondition(lambda self: self.requests)
+    def finish(self, data: st.DataObject, cache: bool) -> None:
+        key = data.draw(st.sampled_from(sorted(self.requests)))
+        blocks = self.requests.pop(key)
+        if cache:
+            for block in blocks:
+                if block.block_hash is None and block.ref_cnt == 1:
+                    digest = BlockHash(next(self.hashes).to_bytes(8, "little"))
+                    hashed = make_block_hash_with_group_id(digest, 0)
+                    block.set_block_hash(hashed)
+                    self.pool.cached_block_hash_to_block.insert(hashed, block)
+        self.pool.free_blocks(reversed(blocks))
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.plan is not None)
+    def hit(self, data: st.DataObject) -> None:
+        cached = [b for b in self.pool.blocks if b.block_hash is not None and b.ref_cnt == 0]
+        if cached:
+            block = data.draw(st.sampled_from(cached))
+            self.pool.touch([block])
+            self.requests[next(self.ids)] = [block]
+
+    @rule(demand=st.integers(0, 40))
+    @precondition(lambda self: self.plan is not None)
+    def step(self, demand: int) -> None:
+        assert self.plan is not None
+        orders = self.plan.plan(demand)
+        report = None if orders is None else self.worker.apply(orders)
+        self.plan.confirm(orders, report)
+        committed = {u for u, flag in enumerate(self.plan.committed) if flag}
+        if orders is not None or not self.plan.needs_step():
+            # The workers hold what the scheduler counts, once told.
+            assert self.worker.held == committed | ({0} & self.worker.held)
+
+    @rule()
+    @precondition(lambda self: self.plan is not None and not self.requests)
+    def reset(self) -> None:
+        assert self.plan is not None
+        with self.plan.all_visible():
+            assert self.pool.reset_prefix_cache()
+
+    @invariant()
+    def blocks_in_use_lie_in_committed_units(self) -> None:
+        if self.plan is None:
+            return
+        for blocks in self.requests.values():
+            for block in blocks:
+                assert self.plan.committed[block.block_id // PER_UNIT], block.block_id
+
+    @invariant()
+    def the_free_count_is_the_free_blocks_of_committed_units(self) -> None:
+        if self.plan is None:
+            return
+        free = [
+            b
+            for b in self.pool.blocks[1:]
+            if b.ref_cnt == 0 and self.plan.committed[b.block_id // PER_UNIT]
+        ]
+        assert self.pool.get_num_free_blocks() == len(free)
+        assert {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()} == {
+            b.block_id for b in free
+        }
+
+    @invariant()
+    def the_cache_stays_within_its_bound_after_a_plan(self) -> None:
+        if self.plan is None or self.plan.queue.changed:
+            return
+        queue = self.plan.queue
+        only_cached = [
+            u
+            for u in range(1, queue.num_units)
+            if self.plan.committed[u] and queue.cached_in[u] and queue.holds_no_request(u)
+        ]
+        assert sum(len(queue.unit_blocks(u)) for u in only_cached) <= self.plan.cache_blocks
+
+
+ElasticScheduling.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+test_elastic_scheduling = ElasticScheduling.TestCase
