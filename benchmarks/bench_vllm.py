@@ -5,7 +5,9 @@
 
 The ``vllm`` suite of ``extensible-kv bench`` (``extensible_kv.bench.engine``),
 on its own: stock vLLM, ours with static growth and ours with memory that
-follows the load, each round in processes of their own. The table gives
+follows the load, each round in processes of their own; then the ``elastic``
+case (a bursty day on stock, static and elastic growth; with ``--out``, its
+plot beside the JSON as ``elastic-memory.png``). The table gives
 median [min-max] over the rounds and ours over stock as ratios; the JSON
 holds every run and each kind's resident-memory timeline, which
 ``extensible-kv bench`` plots. On CPU stock vLLM's sleep does nothing (it
@@ -18,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from extensible_kv.bench import engine
+from extensible_kv.bench import elastic, engine
 
 
 def main() -> None:
@@ -32,11 +34,12 @@ def main() -> None:
     )
     if "skipped" in results:
         raise SystemExit(results["skipped"])
-    text = engine.markdown(results)
+    text = engine.markdown(results) + "\n\nelastic case\n\n" + elastic.markdown(results["elastic"])
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({**results, "table": text}, indent=2))
+        elastic.plot(results["elastic"], args.out.with_name("elastic-memory.png"))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ prefix cache (``sleep(level=0)`` and ``sleep_kv_cache(preserve=True)``,
 then ``wake_kv_cache`` and ``wake_up(tags=["scheduling"])``; stock has no
 such call), and its resident memory sampled every 20 ms over the whole
 run. Figures are min, median and max over the rounds; ratios are medians,
-ours over stock. Runs only where vLLM is installed.
+ours over stock. Then the ``elastic`` case (:mod:`extensible_kv.bench.elastic`):
+a bursty day on stock, static and elastic growth. Runs only where vLLM is
+installed.
 """
 
 from __future__ import annotations
@@ -221,9 +223,12 @@ def suite(
         for kind, figures in stats.items()
         if kind != "stock"
     }
+    from extensible_kv.bench import elastic
+
     return {
         "kv_bytes": kv_bytes,
         "rounds": rounds,
+        "elastic": elastic.case(rounds, progress),
         "stats": stats,
         "ratios": ratios,
         "stock_sleep_frees": _median(stock["rss_asleep"]) < 0.99 * _median(stock["rss_before"]),

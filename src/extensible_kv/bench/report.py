@@ -167,6 +167,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
     vllm = vllm_table(results.get("vllm"))
     if vllm is not None:
         out.append(vllm)
+    if "elastic" in results.get("vllm", {}):
+        out.append(elastic_table(results["vllm"]["elastic"]))
     out.append(goals(results))
     return out
 
@@ -228,6 +230,22 @@ def vllm_table(vllm: dict[str, Any] | None) -> Table | None:
         f"{vllm['rounds']} rounds): median [min-max]"
     )
     head, *body = rows(vllm)
+    for column in head:
+        table.add_column(column, justify="right")
+    for cells in body:
+        table.add_row(*cells)
+    return table
+
+
+def elastic_table(elastic: dict[str, Any]) -> Table:
+    """The ``vllm`` suite's ``elastic`` case: a bursty day, median [min-max]."""
+    from extensible_kv.bench.elastic import rows
+
+    table = Table(
+        title=f"11. vLLM on a bursty day: stock, static and elastic growth "
+        f"({elastic['kv_bytes'] // MiB} MiB KV, {elastic['rounds']} rounds): median [min-max]"
+    )
+    head, *body = rows(elastic)
     for column in head:
         table.add_column(column, justify="right")
     for cells in body:
@@ -367,7 +385,10 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     files.append(path)
     vllm = results.get("vllm")
     if vllm is not None and "skipped" not in vllm:
+        from extensible_kv.bench import elastic
+
         files.append(plot_vllm(vllm, out / "vllm-memory.png"))
+        files.append(elastic.plot(vllm["elastic"], out / "elastic-memory.png"))
     return files
 
 
