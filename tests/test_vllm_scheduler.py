@@ -144,9 +144,12 @@ class ElasticScheduling(RuleBasedStateMachine):
 
     @invariant()
     def the_cache_stays_within_its_bound_after_a_plan(self) -> None:
-        if self.plan is None or self.plan.queue.changed:
+        if self.plan is None:
             return
         queue = self.plan.queue
+        assert queue.units_with_cached == sum(1 for n in queue.cached_in if n)
+        if queue.changed:
+            return
         only_cached = [
             u
             for u in range(1, queue.num_units)

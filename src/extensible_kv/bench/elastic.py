@@ -125,7 +125,8 @@ def child(model: str, kind: str) -> dict[str, Any]:
         return list(llm.generate(batch, params(tokens), use_tqdm=False))
 
     engine, started = llm.llm_engine, time.perf_counter()
-    timeline: list[list[float]] = []  # [seconds, MiB held, MiB the running requests hold]
+    # [seconds, MiB held, MiB the running requests' blocks take, round]
+    timeline: list[list[float]] = []
     memory, cached, back_s = [], 0, None
     for round_, size in enumerate(ROUNDS):
         running: dict[str, int] = {}
@@ -144,13 +145,15 @@ def child(model: str, kind: str) -> dict[str, Any]:
                     del running[output.request_id]
             now = held()
             peak = max(peak, now)
-            timeline.append([time.perf_counter() - started, now, _hold_mib(running.values())])
+            timeline.append(
+                [time.perf_counter() - started, now, _hold_mib(running.values()), round_]
+            )
         if round_ == ROUNDS.index(0):
             fell, floor = time.perf_counter(), (UNIT_BYTES + CACHE_BYTES) / MiB
             while held() > floor and time.perf_counter() - fell < 5:
                 time.sleep(0.01)
             back_s = time.perf_counter() - fell
-        timeline.append([time.perf_counter() - started, held(), 0.0])
+        timeline.append([time.perf_counter() - started, held(), 0.0, round_])
         memory.append([round_, size, needed_bytes(size) / MiB, peak])
     decode, ttft = [], []
     for repeat in range(5):
@@ -270,10 +273,11 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for kind, points in results["timelines"].items():
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=f"{kind}: KV memory held")
+        xs = _round_positions(points)
+        ax.plot(xs, [p[1] for p in points], label=f"{kind}: KV memory held")
     points = results["timelines"]["elastic"]
     ax.fill_between(
-        [p[0] for p in points],
+        _round_positions(points),
         [p[2] for p in points],
         color="0.85",
         step="post",
@@ -281,7 +285,8 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     )
     floor = (UNIT_BYTES + results["cache_bytes"]) / MiB
     ax.axhline(floor, color="0.4", linestyle=":", label="floor: unit 0 + cache_bytes")
-    ax.set_xlabel("seconds since the trace began (each kind its own run)")
+    ax.set_xticks(range(len(ROUNDS)), [str(n) for n in ROUNDS])
+    ax.set_xlabel("requests in each round of the trace (each kind its own run)")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
     ax.set_title(
@@ -294,6 +299,21 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _round_positions(points: list[list[float]]) -> list[float]:
+    """Each sample's place on a round axis: round ``r`` spans ``[r, r + 1)``,
+    its samples spread evenly, so that every kind's run lines up."""
+    per_round: dict[int, int] = {}
+    for point in points:
+        per_round[int(point[3])] = per_round.get(int(point[3]), 0) + 1
+    seen: dict[int, int] = {}
+    out = []
+    for point in points:
+        r = int(point[3])
+        out.append(r + seen.get(r, 0) / per_round[r])
+        seen[r] = seen.get(r, 0) + 1
+    return out
 
 
 def main() -> None:

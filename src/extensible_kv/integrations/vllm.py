@@ -32,7 +32,12 @@ Options go in ``LLM(..., additional_config={"extensible_kv": {...}})``:
 many as the device's total memory holds) and ``growth`` (``"static"``:
 commit vLLM's block count at start; ``"on_demand"``: commit blocks as the
 scheduler hands their ids out, before the step that uses them, and
-``collective_rpc("trim_kv_cache")`` gives memory back when idle). Without
+``collective_rpc("trim_kv_cache")`` gives memory back when idle;
+``"elastic"``: with ``scheduler_cls=
+"extensible_kv.integrations.vllm.ExtensibleKVScheduler"``, the memory
+follows the load up and down, as the scheduler orders, see
+:mod:`extensible_kv.integrations.vllm_scheduler`) and ``cache_bytes``
+(``"elastic"``: the most memory kept for the prefix cache). Without
 virtual memory management on the device, the worker falls back to vLLM's
 own allocation with one warning.
 """
@@ -146,9 +151,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         self._kv: KVCache | None = None
         self._growth: OnDemandGrowth | None = None
         self._elastic: ElasticBlocks | None = None
-        #: The scheduler's last orders (growth "elastic"), and the report
-        #: on them that goes back with this step's output.
+        #: The scheduler's last orders (growth "elastic"), the units the
+        #: scheduler counts as held after them, and the report on them that
+        #: goes back with this step's output.
         self._orders: ElasticOrders | None = None
+        self._holding: ElasticOrders | None = None
         self._report: ElasticReport | None = None
         self._handover: _HandOver | None = None
         #: The measurement that sized the cache (determine_available_memory),
@@ -654,6 +661,9 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         orders: ElasticOrders | None = getattr(scheduler_output, "extensible_kv", None)
         if orders is not None:
             self._orders = orders
+            if self._kv.buffers.released:
+                # Asleep: what the wake must come back to is these orders.
+                self._holding = dataclasses.replace(orders, wanted=())
         if self._kv.buffers.released:
             if not scheduler_output.total_num_scheduled_tokens:
                 if orders is not None:
@@ -662,9 +672,12 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             self._wake_before_step()
         if orders is not None:
             self._report = self._agreed(self._elastic.apply(orders))
-        elif self._orders is not None and not self._elastic.holds_units(self._orders.held):
-            # Woken since the last orders: commit what they hold again.
-            self._elastic.apply(dataclasses.replace(self._orders, wanted=()))
+            # What the scheduler counts once it reads the report: the held
+            # units and the wanted ones granted.
+            self._holding = dataclasses.replace(orders, held=self._elastic.held_units, wanted=())
+        elif self._holding is not None and not self._elastic.holds_units(self._holding.held):
+            # Woken since: commit what the scheduler counts again.
+            self._elastic.apply(self._holding)
         used = _scheduled_block_ids(scheduler_output)
         if not self._elastic.holds(used):
             raise RuntimeError(
@@ -703,7 +716,9 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         granules), ``num_blocks_committed``, ``num_blocks_capacity``,
         ``base_ptrs`` (one address per backing buffer), ``asleep`` and
         ``host_backup_bytes`` (host memory holding a preserving sleep's
-        copy), ``growth`` (``"static"`` or ``"on_demand"``) and
+        copy), ``growth`` (``"static"``, ``"on_demand"`` or ``"elastic"``;
+        with ``"elastic"`` ``num_blocks_committed`` counts the blocks of the
+        units held) and
         ``high_water_blocks`` (the most blocks committed at once),
         ``sizing`` (None with an explicit KV size; else what warm-up
         measured: ``budget_bytes``, ``non_kv_bytes``, ``available_kv_bytes``,

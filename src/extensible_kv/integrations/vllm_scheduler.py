@@ -104,6 +104,8 @@ class PackedFreeQueue:
         #: Per unit: free blocks without a hash, and cached ones.
         self.clean_in = [0] * self.num_units
         self.cached_in = [0] * self.num_units
+        #: Units holding a cached block.
+        self.units_with_cached = 0
         #: Set by every change; the scheduler clears it when it plans.
         self.changed = True
         for block in free:
@@ -161,16 +163,20 @@ class PackedFreeQueue:
             self.clean_in[unit] -= 1
         elif state == _CACHED:
             del self._lru[block_id]
-            self.cached_in[unit] -= 1
+            self._uncache(unit)
         else:
             raise AssertionError(f"block {block_id} is not free")
         self._state[block_id] = _USED
         self.changed = True
 
+    def _uncache(self, unit: int) -> None:
+        self.cached_in[unit] -= 1
+        self.units_with_cached -= not self.cached_in[unit]
+
     def _to_clean(self, block_id: int) -> None:
         if self._state[block_id] == _CACHED:
             del self._lru[block_id]
-            self.cached_in[block_id // self.blocks_per_unit] -= 1
+            self._uncache(block_id // self.blocks_per_unit)
         self._state[block_id] = _CLEAN
         self._clean += 1
         self.clean_in[block_id // self.blocks_per_unit] += 1
@@ -181,9 +187,14 @@ class PackedFreeQueue:
         self.changed = True
 
     def _to_cached(self, block_id: int) -> None:
+        unit = block_id // self.blocks_per_unit
+        if self._state[block_id] == _CLEAN:
+            self._clean -= 1
+            self.clean_in[unit] -= 1
         self._state[block_id] = _CACHED
         self._lru[block_id] = None
-        self.cached_in[block_id // self.blocks_per_unit] += 1
+        self.units_with_cached += not self.cached_in[unit]
+        self.cached_in[unit] += 1
         self.changed = True
 
     # -- what the scheduler calls ------------------------------------------------
@@ -266,6 +277,7 @@ class ElasticPlan:
         self._sent_held: tuple[tuple[int, int], ...] = ()  # the first plan sends
         self._seq = 0
         self._retry_at = 0.0
+        self._held_cache: tuple[tuple[int, int], ...] | None = None
 
     @property
     def blocks_per_unit(self) -> int:
@@ -289,7 +301,7 @@ class ElasticPlan:
         else:
             self._release(queue.num_clean - demand_blocks)
         queue.changed = False
-        held = ranges_of(u for u in range(queue.num_units) if self.committed[u])
+        held = self._held_ranges()
         if not wanted and held == self._sent_held:
             return None
         self._seq += 1
@@ -299,26 +311,41 @@ class ElasticPlan:
 
     def _bound_cache(self) -> None:
         """Keep the units held only for cached blocks within ``cache_blocks``
-        blocks: evict the cached blocks of such units, the unit of the least
-        recently used block first. (Cached blocks in a unit a request uses
-        cost no memory of their own, and stay.)"""
+        blocks: the unit whose latest use is oldest loses its cached blocks
+        first (vLLM's ``evict_blocks``). Cached blocks in a unit a request
+        uses cost no memory of their own, and stay."""
         queue = self.queue
+        if queue.units_with_cached * self.blocks_per_unit <= self.cache_blocks:
+            return
         only_cached = {
             unit: len(queue.unit_blocks(unit))
             for unit in range(1, queue.num_units)
             if queue.cached_in[unit] and queue.holds_no_request(unit)
         }
         excess = sum(only_cached.values()) - self.cache_blocks
-        for block_id in queue.cached_oldest_first():
-            if excess <= 0:
-                break
+        if excess <= 0:
+            return
+        newest_first: dict[int, None] = {}
+        for block_id in reversed(queue.cached_oldest_first()):
             unit = block_id // self.blocks_per_unit
             if unit in only_cached:
-                doomed = queue.cached_of(unit)
-                self.pool.evict_blocks(set(doomed))
-                for doomed_id in doomed:
-                    queue.forget(doomed_id)
-                excess -= only_cached.pop(unit)
+                newest_first.setdefault(unit)
+        for unit in reversed(newest_first):
+            if excess <= 0:
+                break
+            doomed = queue.cached_of(unit)
+            self.pool.evict_blocks(set(doomed))
+            for block_id in doomed:
+                queue.forget(block_id)
+            excess -= only_cached[unit]
+
+    def _held_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The committed units as ranges, made again only after a change."""
+        if self._held_cache is None:
+            self._held_cache = ranges_of(
+                u for u in range(self.queue.num_units) if self.committed[u]
+            )
+        return self._held_cache
 
     def _units_to_commit(self, blocks: int) -> list[int]:
         units: list[int] = []
@@ -334,6 +361,8 @@ class ElasticPlan:
         """Give back empty units, highest first, while the free blocks left
         still cover the demand."""
         queue = self.queue
+        if surplus_blocks < self.blocks_per_unit:
+            return  # not a whole unit to spare (the last, shorter one waits)
         for unit in range(queue.num_units - 1, 0, -1):
             if surplus_blocks < 1:
                 break
@@ -341,6 +370,7 @@ class ElasticPlan:
             if size <= surplus_blocks and self.committed[unit] and queue.is_empty(unit):
                 queue.hide(unit)
                 self.committed[unit] = 0
+                self._held_cache = None
                 surplus_blocks -= size
 
     def confirm(self, orders: ElasticOrders | None, report: ElasticReport | None) -> None:
@@ -353,6 +383,7 @@ class ElasticPlan:
         for unit in units[:granted]:
             self.committed[unit] = 1
             self.queue.reveal(unit)
+        self._held_cache = None
         # What the workers hold now: a later release must be sent even when
         # it brings the held units back to what the last orders said.
         self._sent_held = ranges_of([*units_of(orders.held), *units[:granted]])
