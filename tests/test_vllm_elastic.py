@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +174,81 @@ def test_elastic_without_the_scheduler_is_refused_in_one_line(model: str) -> Non
         "'elastic' needs scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'"
         in report["output"]
     )
+
+
+def complete_through_server(model: str, extra: list[str]) -> list[list[int]]:
+    """Start vLLM's OpenAI server on a free local port with ``extra`` flags,
+    ask for 4 greedy completions of token prompts, stop it (its engine
+    process with it); the tokens."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_CI_ENV": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *("--model", model, "--host", "127.0.0.1", "--port", str(port)),
+            *("--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32"),
+            *("--max-model-len", "512", "--block-size", "32", "--enable-prefix-caching"),
+            *("--kv-cache-memory-bytes", str(128 * MiB), *extra),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start in 300 s"
+                time.sleep(0.5)
+        prompts = [[(7 * i + j) % 500 + 1 for j in range(100 + 37 * i)] for i in range(4)]
+        body = {
+            "model": model,
+            "prompt": prompts,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choices = json.loads(response.read())["choices"]
+        return [choice["token_ids"] for choice in sorted(choices, key=lambda c: c["index"])]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=60)
+
+
+def test_the_openai_server_takes_the_same_three_settings(model: str) -> None:
+    ours = complete_through_server(
+        model,
+        [
+            *("--worker-cls", "extensible_kv.integrations.vllm.ExtensibleKVWorker"),
+            *("--scheduler-cls", "extensible_kv.integrations.vllm.ExtensibleKVScheduler"),
+            "--additional-config",
+            json.dumps({"extensible_kv": {"growth": "elastic", "cache_bytes": CACHE_BYTES}}),
+        ],
+    )
+    assert ours == complete_through_server(model, [])
+    assert all(len(tokens) == 8 for tokens in ours)
