@@ -8,7 +8,8 @@ Invariants, after every rule:
 
 - every block a request holds lies in a unit the scheduler counts as
   committed, and after every step the worker holds exactly those units;
-- vLLM's free count is the free blocks of committed units;
+- vLLM's free count is the free blocks of committed units (the cached
+  ones only while the plan lends them: no more units can be committed);
 - units held only for cached blocks stay within the cache's bound;
 - the worker never holds more units than its budget.
 """
@@ -132,10 +133,13 @@ class ElasticScheduling(RuleBasedStateMachine):
     def the_free_count_is_the_free_blocks_of_committed_units(self) -> None:
         if self.plan is None:
             return
+        lend = self.plan.queue.lend_cached
         free = [
             b
             for b in self.pool.blocks[1:]
-            if b.ref_cnt == 0 and self.plan.committed[b.block_id // PER_UNIT]
+            if b.ref_cnt == 0
+            and self.plan.committed[b.block_id // PER_UNIT]
+            and (lend or b.block_hash is None)
         ]
         assert self.pool.get_num_free_blocks() == len(free)
         assert {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()} == {

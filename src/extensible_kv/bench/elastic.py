@@ -4,7 +4,9 @@ stock vLLM, ours with static growth and ours with ``growth: "elastic"``.
 Each engine runs in a process of its own, vLLM's default engine (its engine
 core a process with its own loop), on a tiny Llama with 16 KV heads (a block
 of 32 tokens is 128 KiB per layer, so a 2 MiB unit holds 16 blocks), a
-128 MiB pool, prefix caching on, ``cache_bytes`` 16 MiB. The trace: rounds of
+128 MiB pool, prefix caching on, ``cache_bytes`` 16 MiB (``elastic``) and
+128 MiB (``elastic_whole_day``: the whole day's prefixes, as stock's pool
+keeps them). The trace: rounds of
 0 to 16 requests that rise, peak, fall and idle, the prompts of a round
 sharing a 64-token prefix. Each engine reports:
 
@@ -44,7 +46,10 @@ ROUNDS = (1, 2, 4, 8, 12, 16, 16, 12, 8, 4, 2, 1, 0, 0)
 NEW_TOKENS = 16
 WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"
-KINDS = ("stock", "static", "elastic")
+KINDS = ("stock", "static", "elastic", "elastic_whole_day")
+#: ``cache_bytes`` of each elastic kind: the default trade-off, and one
+#: that holds the whole day's prefixes (as stock's pool does).
+CACHE_OF = {"elastic": CACHE_BYTES, "elastic_whole_day": KV_BYTES}
 #: (key, label, unit) of each figure an engine reports.
 FIGURES = (
     ("decode_tok_s", "decode", "tok/s"),
@@ -81,7 +86,7 @@ def _hold_mib(tokens: Any) -> float:
 def _engine(model: str, kind: str) -> Any:
     from vllm import LLM
 
-    elastic = {"growth": "elastic", "cache_bytes": CACHE_BYTES}
+    elastic = {"growth": "elastic", "cache_bytes": CACHE_OF.get(kind, 0)}
     return LLM(
         model,
         skip_tokenizer_init=True,
@@ -94,8 +99,8 @@ def _engine(model: str, kind: str) -> Any:
         enable_prefix_caching=True,
         kv_cache_memory_bytes=KV_BYTES,
         worker_cls="auto" if kind == "stock" else WORKER,
-        scheduler_cls=SCHEDULER if kind == "elastic" else None,
-        additional_config={"extensible_kv": elastic if kind == "elastic" else {}},
+        scheduler_cls=SCHEDULER if kind in CACHE_OF else None,
+        additional_config={"extensible_kv": elastic if kind in CACHE_OF else {}},
     )
 
 
@@ -149,7 +154,7 @@ def child(model: str, kind: str) -> dict[str, Any]:
                 [time.perf_counter() - started, now, _hold_mib(running.values()), round_]
             )
         if round_ == ROUNDS.index(0):
-            fell, floor = time.perf_counter(), (UNIT_BYTES + CACHE_BYTES) / MiB
+            fell, floor = time.perf_counter(), (UNIT_BYTES + CACHE_OF.get(kind, 0)) / MiB
             while held() > floor and time.perf_counter() - fell < 5:
                 time.sleep(0.01)
             back_s = time.perf_counter() - fell
@@ -172,8 +177,8 @@ def child(model: str, kind: str) -> dict[str, Any]:
         "ttft_s": statistics.median(ttft),
         "peak_mib": max(row[3] for row in memory),
         "idle_mib": idle,
-        "idle_over_floor": idle / ((UNIT_BYTES + CACHE_BYTES) / MiB),
-        "back_s": back_s if kind == "elastic" else None,
+        "idle_over_floor": idle / ((UNIT_BYTES + CACHE_OF.get(kind, CACHE_BYTES)) / MiB),
+        "back_s": back_s if kind in CACHE_OF else None,
         "cached_tokens": cached,
         "memory": memory,
         "timeline": timeline,
@@ -255,7 +260,7 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
             cells.append("-" if s is None else f"{s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}]")
         out.append(cells)
     for name, ratio in results["ratios"].items():
-        out.append([name, "", "", "-" if ratio is None else f"{ratio:.2f}"])
+        out.append([name, *([""] * (len(KINDS) - 1)), "-" if ratio is None else f"{ratio:.2f}"])
     return out
 
 

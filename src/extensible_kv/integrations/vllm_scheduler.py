@@ -106,6 +106,10 @@ class PackedFreeQueue:
         self.cached_in = [0] * self.num_units
         #: Units holding a cached block.
         self.units_with_cached = 0
+        #: Whether cached blocks count as free (vLLM then evicts the least
+        #: recently used for a new block, as with a full pool); the plan
+        #: lends them only when no more memory can be committed.
+        self.lend_cached = True
         #: Set by every change; the scheduler clears it when it plans.
         self.changed = True
         for block in free:
@@ -116,7 +120,7 @@ class PackedFreeQueue:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._clean + len(self._lru)
+        return self._clean + (len(self._lru) if self.lend_cached else 0)
 
     def popleft(self) -> Any:
         while self._heap:
@@ -124,7 +128,7 @@ class PackedFreeQueue:
             if self._state[block_id] == _CLEAN:
                 self._take(block_id)
                 return self._blocks[block_id]
-        if self._lru:
+        if self._lru and self.lend_cached:
             block_id = next(iter(self._lru))
             self._take(block_id)
             return self._blocks[block_id]
@@ -151,7 +155,7 @@ class PackedFreeQueue:
 
     def get_all_free_blocks(self) -> list[Any]:
         clean = sorted(i for i in set(self._heap) if self._state[i] == _CLEAN)
-        return [self._blocks[i] for i in (*clean, *self._lru)]
+        return [self._blocks[i] for i in (*clean, *(self._lru if self.lend_cached else ()))]
 
     # -- transitions -----------------------------------------------------------
 
@@ -294,6 +298,9 @@ class ElasticPlan:
         blocks, ask for units up to it."""
         queue = self.queue
         self._bound_cache()
+        # The prefix cache is not spent on new blocks while memory can
+        # still be committed: a burst waits a step for its units instead.
+        queue.lend_cached = self._refused_recently() or all(self.committed)
         wanted: list[int] = []
         if queue.num_clean < demand_blocks:
             if not self._pending and time.monotonic() >= self._retry_at:
@@ -338,6 +345,9 @@ class ElasticPlan:
             for block_id in doomed:
                 queue.forget(block_id)
             excess -= only_cached[unit]
+
+    def _refused_recently(self) -> bool:
+        return time.monotonic() < self._retry_at + 1.0
 
     def _held_ranges(self) -> tuple[tuple[int, int], ...]:
         """The committed units as ranges, made again only after a change."""
@@ -404,9 +414,11 @@ class ElasticPlan:
         hidden = [u for u in range(self.queue.num_units) if not self.committed[u]]
         for unit in hidden:
             self.queue.reveal(unit)
+        lend, self.queue.lend_cached = self.queue.lend_cached, True
         try:
             yield
         finally:
+            self.queue.lend_cached = lend
             if all(block.block_hash is None for block in self.pool.blocks):
                 self.queue.forget_all()
             for unit in hidden:
