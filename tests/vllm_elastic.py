@@ -37,15 +37,10 @@ for name, value in {
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from extensible_kv.bench.elastic import prompt  # noqa: E402
+
 WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"
-
-
-def prompt(seed: int, length: int, shared: int = 0) -> list[int]:
-    """``length`` tokens; the first ``shared`` are the same for every seed."""
-    head = [(11 * j + 3) % 509 + 1 for j in range(shared)]
-    body = [(7 * seed + 13 * j) % 503 + 1 for j in range(length - shared)]
-    return head + body
 
 
 def params(max_tokens: int) -> SamplingParams:

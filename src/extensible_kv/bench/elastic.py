@@ -26,13 +26,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from extensible_kv.bench.engine import child_figures, spread
 
 MiB = 1 << 20
 KV_BYTES = 128 * MiB
@@ -185,20 +186,6 @@ def child(model: str, kind: str) -> dict[str, Any]:
     }
 
 
-def _run_child(model: str, kind: str) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, "-m", "extensible_kv.bench.elastic", model, kind],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"the {kind} engine failed:\n{result.stderr[-4000:]}")
-    line = next(x for x in reversed(result.stdout.splitlines()) if x.startswith("FIGURES "))
-    figures: dict[str, Any] = json.loads(line.removeprefix("FIGURES "))
-    return figures
-
-
 def case(rounds: int, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every kind, ``rounds`` times, in turn (vLLM must be installed)."""
     from extensible_kv.demo.tiny_models import save_tiny_model
@@ -209,9 +196,9 @@ def case(rounds: int, progress: Callable[[str], None] = lambda _: None) -> dict[
     for round_ in range(rounds):
         for kind in KINDS:
             progress(f"elastic, round {round_ + 1}/{rounds}: {kind}")
-            runs[kind].append(_run_child(model, kind))
+            runs[kind].append(child_figures("extensible_kv.bench.elastic", model, kind))
     stats = {
-        kind: {key: _spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
+        kind: {key: spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
         for kind, kind_runs in runs.items()
     }
     return {
@@ -234,13 +221,6 @@ def case(rounds: int, progress: Callable[[str], None] = lambda _: None) -> dict[
             for kind, kind_runs in runs.items()
         },
     }
-
-
-def _spread(values: list[Any]) -> dict[str, float] | None:
-    if any(value is None for value in values):
-        return None
-    numbers = [float(value) for value in values]
-    return {"min": min(numbers), "median": statistics.median(numbers), "max": max(numbers)}
 
 
 def _ratio(stats: dict[str, Any], ours: str, theirs: str, key: str) -> float | None:

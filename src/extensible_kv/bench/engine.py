@@ -183,15 +183,17 @@ def child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
     return figures
 
 
-def _run_child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
+def child_figures(module: str, *args: str) -> dict[str, Any]:
+    """Run ``python -m module *args`` (one engine, in a process of its own)
+    and return the figures it prints on its ``FIGURES`` line."""
     result = subprocess.run(
-        [sys.executable, "-m", "extensible_kv.bench.engine", model, kind, str(kv_bytes)],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=900,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"the {kind} engine failed:\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"the engine {' '.join(args)} failed:\n{result.stderr[-4000:]}")
     line = next(x for x in reversed(result.stdout.splitlines()) if x.startswith("FIGURES "))
     figures: dict[str, Any] = json.loads(line.removeprefix("FIGURES "))
     return figures
@@ -212,9 +214,11 @@ def suite(
     for round_ in range(rounds):
         for kind in KINDS:
             progress(f"round {round_ + 1}/{rounds}: {kind}")
-            runs[kind].append(_run_child(model, kind, kv_bytes))
+            runs[kind].append(
+                child_figures("extensible_kv.bench.engine", model, kind, str(kv_bytes))
+            )
     stats = {
-        kind: {key: _spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
+        kind: {key: spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
         for kind, kind_runs in runs.items()
     }
     stock = stats["stock"]
@@ -239,7 +243,7 @@ def suite(
     }
 
 
-def _spread(values: list[float | None]) -> dict[str, float] | None:
+def spread(values: list[float | None]) -> dict[str, float] | None:
     """min, median and max; None for a figure this kind does not have."""
     if any(value is None for value in values):
         return None

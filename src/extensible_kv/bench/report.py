@@ -225,27 +225,28 @@ def vllm_table(vllm: dict[str, Any] | None) -> Table | None:
         return table
     from extensible_kv.bench.engine import rows
 
-    table = Table(
-        title=f"10. vLLM, stock and on extensible-kv ({vllm['kv_bytes'] // MiB} MiB KV, "
-        f"{vllm['rounds']} rounds): median [min-max]"
+    return _table(
+        f"10. vLLM, stock and on extensible-kv ({vllm['kv_bytes'] // MiB} MiB KV, "
+        f"{vllm['rounds']} rounds): median [min-max]",
+        rows(vllm),
     )
-    head, *body = rows(vllm)
-    for column in head:
-        table.add_column(column, justify="right")
-    for cells in body:
-        table.add_row(*cells)
-    return table
 
 
 def elastic_table(elastic: dict[str, Any]) -> Table:
     """The ``vllm`` suite's ``elastic`` case: a bursty day, median [min-max]."""
     from extensible_kv.bench.elastic import rows
 
-    table = Table(
-        title=f"11. vLLM on a bursty day: stock, static and elastic growth "
-        f"({elastic['kv_bytes'] // MiB} MiB KV, {elastic['rounds']} rounds): median [min-max]"
+    return _table(
+        f"11. vLLM on a bursty day: stock, static and elastic growth "
+        f"({elastic['kv_bytes'] // MiB} MiB KV, {elastic['rounds']} rounds): median [min-max]",
+        rows(elastic),
     )
-    head, *body = rows(elastic)
+
+
+def _table(title: str, rows: list[list[str]]) -> Table:
+    """A rich table of ``rows``, header first, right-aligned."""
+    table = Table(title=title)
+    head, *body = rows
     for column in head:
         table.add_column(column, justify="right")
     for cells in body:
