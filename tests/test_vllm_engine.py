@@ -332,10 +332,16 @@ def test_a_capacity_option_is_reserved_for(models: dict[str, str]) -> None:
     [
         ({"num_blocks_capacity": 1}, "below the", False),
         ({"num_blocks_capacity": "lots"}, "give an int", False),
-        ({"capacity": 4096}, "with num_blocks_capacity, growth, budget_wait_s only", False),
+        (
+            {"capacity": 4096},
+            "with num_blocks_capacity, growth, budget_wait_s, cache_bytes only",
+            False,
+        ),
         ({"budget_wait_s": -1}, "budget_wait_s'] is -1", False),
         ({"growth": "lazy"}, "give one of 'static', 'on_demand'", False),
         ({"growth": "on_demand"}, "cannot serve a KV connector", True),
+        ({"cache_bytes": 1 << 20}, "of growth 'elastic' only", False),
+        ({"growth": "elastic", "cache_bytes": -1}, "cache_bytes'] is -1", False),
     ],
 )
 def test_bad_configuration_is_one_clear_line(
