@@ -240,7 +240,7 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
             cells.append("-" if s is None else f"{s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}]")
         out.append(cells)
     for name, ratio in results["ratios"].items():
-        out.append([name, *([""] * (len(KINDS) - 1)), "-" if ratio is None else f"{ratio:.2f}"])
+        out.append([name, "-" if ratio is None else f"{ratio:.2f}", *([""] * (len(KINDS) - 1))])
     return out
 
 
