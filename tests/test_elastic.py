@@ -14,27 +14,13 @@ from extensible_kv import FaultInjectingDriver, StatisticsDriver
 from extensible_kv.driver import Driver
 from extensible_kv.kv import KVCacheBuffers
 from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ranges_of, units_of
-from extensible_kv.tensor import ExtensibleTensor
-from test_kv_buffers import CAPACITY, SHAPES, block
+from test_growth import fill, reads
+from test_kv_buffers import CAPACITY, make_cache
 
 
 def elastic_cache(device: str, driver: Driver) -> KVCacheBuffers:
     """test_kv_buffers' cache, one chunk per granule."""
-    granule = driver.granularity(0, False)
-    buffers = [
-        (
-            ExtensibleTensor(
-                CAPACITY * per_block * segments,
-                device,
-                num_segments=segments,
-                driver=driver,
-                chunk_bytes=granule,
-            ),
-            per_block,
-        )
-        for segments, per_block in SHAPES
-    ]
-    return KVCacheBuffers(buffers, CAPACITY)
+    return make_cache(device, driver, chunk_bytes=driver.granularity(0, False))
 
 
 def expected_physical(cache: KVCacheBuffers, blocks: set[int], granule: int) -> int:
@@ -52,21 +38,6 @@ def expected_physical(cache: KVCacheBuffers, blocks: set[int], granule: int) -> 
 
 def blocks_of(units: set[int], per_unit: int) -> set[int]:
     return {b for u in units for b in range(u * per_unit, min((u + 1) * per_unit, CAPACITY))}
-
-
-def stamp(cache: KVCacheBuffers, index: int, value: int) -> None:
-    for tensor, per_block in cache.buffers:
-        for segment in range(tensor.num_segments):
-            block(tensor, per_block, segment, index).fill_(value)
-
-
-def values(cache: KVCacheBuffers, index: int) -> set[int]:
-    return {
-        int(v)
-        for tensor, per_block in cache.buffers
-        for segment in range(tensor.num_segments)
-        for v in block(tensor, per_block, segment, index).unique()
-    }
 
 
 @pytest.fixture
@@ -87,13 +58,13 @@ def test_holds_exactly_the_units_ordered_holes_included(
     assert report.granted == 0
     held = blocks_of({0, 14, 15}, 4)
     assert cache.physical_bytes == expected_physical(cache, held, granule)
-    stamp(cache, 60, 7)
+    fill(cache, 60, 7)
     # The middle of the cache comes back while block 60 stays: a hole.
     elastic.apply(ElasticOrders(2, 4, held=((0, 1), (15, 16)), wanted=((3, 5),)))
-    assert values(cache, 60) == {7}
+    assert reads(cache, 60) == {7}
     held = blocks_of({0, 3, 4, 15}, 4)
     assert cache.physical_bytes == expected_physical(cache, held, granule)
-    assert values(cache, 13) == {0}  # newly held blocks read zero
+    assert reads(cache, 13) == {0}  # newly held blocks read zero
     assert elastic.holds([0, 13, 60])
     assert not elastic.holds([20])
     assert cache.num_blocks_committed == 0  # not a prefix
@@ -109,13 +80,13 @@ def test_a_refused_wanted_run_stops_the_grant_and_held_units_stay(
         elastic = ElasticBlocks(cache, CAPACITY)
         elastic.start()
         elastic.apply(ElasticOrders(1, 8, held=((0, 2),)))
-        stamp(cache, 9, 3)
+        fill(cache, 9, 3)
         # Room for unit 2, not for unit 7 (its granules lie apart).
         limited.byte_limit = expected_physical(cache, blocks_of({0, 1, 2}, 8), granule)
         report = elastic.apply(ElasticOrders(2, 8, held=((0, 2),), wanted=((2, 3), (7, 8))))
         assert report.granted == 1
         assert elastic.held_units == ((0, 3),)
-        assert values(cache, 9) == {3}
+        assert reads(cache, 9) == {3}
     finally:
         cache.free()
 
@@ -127,7 +98,7 @@ def test_sleep_gives_everything_back_and_wake_commits_unit_0_then_what_orders_ho
     elastic.start()
     elastic.apply(ElasticOrders(1, 4, held=((0, 1), (10, 12))))
     held = cache.physical_bytes
-    stamp(cache, 41, 5)
+    fill(cache, 41, 5)
     elastic.release()
     assert cache.physical_bytes == 0
     assert elastic.held_units == ()
@@ -137,7 +108,7 @@ def test_sleep_gives_everything_back_and_wake_commits_unit_0_then_what_orders_ho
     assert not elastic.holds([41])
     elastic.apply(ElasticOrders(2, 4, held=((0, 1), (10, 12))))
     assert cache.physical_bytes == held
-    assert values(cache, 41) == {0}
+    assert reads(cache, 41) == {0}
 
 
 def test_bad_orders_are_refused_and_change_nothing(cache: KVCacheBuffers) -> None:
@@ -160,7 +131,7 @@ def test_a_prefix_committed_cache_or_one_chunk_per_run_is_refused(
     with pytest.raises(ValueError, match="starts from an empty cache"):
         ElasticBlocks(cache, CAPACITY)
     cache.free()
-    plain = KVCacheBuffers([(ExtensibleTensor(CAPACITY * 4096, device, driver=stats), 4096)], 64)
+    plain = make_cache(device, stats)  # one chunk per run
     with pytest.raises(ValueError, match="chunk_bytes="):
         ElasticBlocks(plain, CAPACITY)
     plain.free()
@@ -197,10 +168,10 @@ def test_memory_follows_any_sequence_of_orders(
             assert cache.physical_bytes == expected_physical(cache, now, granule)
             for b in sorted(now):
                 if b in before:
-                    assert values(cache, b) == {last.get(b, 0)}
+                    assert reads(cache, b) == {last.get(b, 0)}
                 else:
-                    assert values(cache, b) <= {0, last.get(b, 0)}
+                    assert reads(cache, b) <= {0, last.get(b, 0)}
                 last[b] = seq % 250 + 1
-                stamp(cache, b, last[b])
+                fill(cache, b, last[b])
     finally:
         cache.free()

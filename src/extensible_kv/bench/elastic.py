@@ -24,7 +24,6 @@ Figures are min, median and max over the rounds; ratios are medians.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.bench.engine import child_figures, spread
+from extensible_kv.bench.engine import child_figures, quiet_vllm_cpu, spread
 
 MiB = 1 << 20
 KV_BYTES = 128 * MiB
@@ -107,12 +106,7 @@ def _engine(model: str, kind: str) -> Any:
 
 def child(model: str, kind: str) -> dict[str, Any]:
     """One engine of ``kind``, in this process: the trace and its figures."""
-    for name, value in {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_CI_ENV": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }.items():
-        os.environ.setdefault(name, value)
+    quiet_vllm_cpu()
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

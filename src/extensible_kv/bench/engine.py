@@ -117,6 +117,19 @@ def _engine(model: str, worker: str, options: dict[str, str] | None, kv_bytes: i
     )
 
 
+def quiet_vllm_cpu(**more: str) -> None:
+    """The environment a benchmark engine runs in (unless already set): vLLM's
+    CPU build without thread binding, warm-up or usage reports, and ``more``."""
+    settings = {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_CI_ENV": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        **more,
+    }
+    for name, value in settings.items():
+        os.environ.setdefault(name, value)
+
+
 def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     value = call()
@@ -125,13 +138,7 @@ def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
 
 def child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
     """One engine of ``kind``, in this process: the figures and the timeline."""
-    for name, value in {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_CI_ENV": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }.items():
-        os.environ.setdefault(name, value)
+    quiet_vllm_cpu(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
