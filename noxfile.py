@@ -54,6 +54,9 @@ def vllm(session: nox.Session) -> None:
         "tests/test_vllm_layouts.py",
         "tests/test_vllm_elastic.py",
         "tests/test_vllm_scheduler.py",
+        "tests/test_vllm_server.py",
+        "tests/test_vllm_rl.py",
+        "tests/test_vllm_connectors.py",
         *session.posargs,
     )
 

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +38,7 @@ def run(settings: dict[str, Any], *, env: dict[str, str] | None = None) -> dict[
         timeout=600,
         env={**os.environ, **(env or {})},
     )
-    output = result.stdout + result.stderr
-    if settings.get("expect_failure"):
-        assert result.returncode != 0, output[-3000:]
-        return {"output": output}
-    assert result.returncode == 0, output[-6000:]
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     line = next(x for x in reversed(result.stdout.splitlines()) if x.startswith("RESULT "))
     report: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
     return report
@@ -145,110 +137,3 @@ def test_a_burst_past_the_budget_waits_for_memory_and_never_passes_it(
     # Without the limit the burst holds more at once.
     free = run({"model": model, "worker": "ours", "trace": "limit"})
     assert free["state"][0]["high_water_blocks"] * bytes_per_block > 24 * MiB
-
-
-def test_tensor_parallel_ranks_hold_the_same_units(model: str) -> None:
-    settings: dict[str, Any] = {"cycles": 3, "tp": 2, "multiprocessing": True}
-    reference = stock(model, "rl", **settings)
-    settings["trace"] = "rl"
-    report = run({"model": model, "worker": "ours", **settings})
-    assert report["tokens"] == reference["tokens"]
-    for sample in report["samples"]:
-        assert len(set(sample[2])) == 1, sample  # both ranks alike
-    assert {s["num_blocks_committed"] for s in report["state"]} == {
-        report["state"][0]["num_blocks_committed"]
-    }
-
-
-def test_elastic_without_the_scheduler_is_refused_in_one_line(model: str) -> None:
-    report = run(
-        {
-            "model": model,
-            "worker": "ours",
-            "trace": "bursty",
-            "scheduler": False,
-            "expect_failure": True,
-        }
-    )
-    assert (
-        "'elastic' needs scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'"
-        in report["output"]
-    )
-
-
-def complete_through_server(model: str, extra: list[str]) -> list[list[int]]:
-    """Start vLLM's OpenAI server on a free local port with ``extra`` flags,
-    ask for 4 greedy completions of token prompts, stop it (its engine
-    process with it); the tokens."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_CI_ENV": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            *("--model", model, "--host", "127.0.0.1", "--port", str(port)),
-            *("--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32"),
-            *("--max-model-len", "512", "--block-size", "32", "--enable-prefix-caching"),
-            *("--kv-cache-memory-bytes", str(128 * MiB), *extra),
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not start in 300 s"
-                time.sleep(0.5)
-        prompts = [[(7 * i + j) % 500 + 1 for j in range(100 + 37 * i)] for i in range(4)]
-        body = {
-            "model": model,
-            "prompt": prompts,
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            choices = json.loads(response.read())["choices"]
-        return [choice["token_ids"] for choice in sorted(choices, key=lambda c: c["index"])]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=60)
-
-
-def test_the_openai_server_takes_the_same_three_settings(model: str) -> None:
-    ours = complete_through_server(
-        model,
-        [
-            *("--worker-cls", "extensible_kv.integrations.vllm.ExtensibleKVWorker"),
-            *("--scheduler-cls", "extensible_kv.integrations.vllm.ExtensibleKVScheduler"),
-            "--additional-config",
-            json.dumps({"extensible_kv": {"growth": "elastic", "cache_bytes": CACHE_BYTES}}),
-        ],
-    )
-    assert ours == complete_through_server(model, [])
-    assert all(len(tokens) == 8 for tokens in ours)

@@ -332,16 +332,7 @@ def test_a_capacity_option_is_reserved_for(models: dict[str, str]) -> None:
     [
         ({"num_blocks_capacity": 1}, "below the", False),
         ({"num_blocks_capacity": "lots"}, "give an int", False),
-        (
-            {"capacity": 4096},
-            "with num_blocks_capacity, growth, budget_wait_s, cache_bytes only",
-            False,
-        ),
-        ({"budget_wait_s": -1}, "budget_wait_s'] is -1", False),
-        ({"growth": "lazy"}, "give one of 'static', 'on_demand'", False),
         ({"growth": "on_demand"}, "cannot serve a KV connector", True),
-        ({"cache_bytes": 1 << 20}, "of growth 'elastic' only", False),
-        ({"growth": "elastic", "cache_bytes": -1}, "cache_bytes'] is -1", False),
     ],
 )
 def test_bad_configuration_is_one_clear_line(
@@ -365,6 +356,39 @@ def test_bad_configuration_is_one_clear_line(
     lines = [line for line in result["output"].splitlines() if "additional_config" in line]
     ours = [line.partition("ValueError: ")[2] for line in lines if "ValueError: " in line]
     assert any(message in line for line in ours), lines
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"capacity": 4096}, "with num_blocks_capacity, growth, budget_wait_s, cache_bytes only"),
+        ({"budget_wait_s": -1}, "budget_wait_s'] is -1"),
+        ({"growth": "lazy"}, "give one of 'static', 'on_demand', 'elastic'"),
+        ({"cache_bytes": 1 << 20}, "of growth 'elastic' only"),
+        ({"growth": "elastic", "cache_bytes": -1}, "cache_bytes'] is -1"),
+        (
+            {"growth": "elastic"},
+            "'elastic' needs scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'",
+        ),
+    ],
+)
+def test_every_option_is_checked_in_one_line_against_vllms_own_config(
+    models: dict[str, str], options: dict[str, Any], message: str
+) -> None:
+    """The options' rules on the ``VllmConfig`` vLLM makes from its
+    arguments: what the worker and the scheduler check first at start, an
+    error of which reaches the user as the test above shows."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from extensible_kv.integrations.vllm_options import options_of
+
+    config = EngineArgs(
+        models["llama"], skip_tokenizer_init=True, additional_config={"extensible_kv": options}
+    ).create_engine_config()
+    with pytest.raises(ValueError, match="additional_config") as raised:
+        options_of(config)
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
 
 
 def test_without_vmm_it_falls_back_to_stock_with_one_warning(models: dict[str, str]) -> None:

@@ -6,9 +6,7 @@ and the ``elastic`` benchmark, in a process of its own.
 Settings (JSON): ``model``, ``worker`` ("ours": our worker and scheduler
 with ``growth: "elastic"``; "static": our worker with static growth;
 "stock"), ``trace`` (see TRACES), ``multiprocessing`` (vLLM's default
-engine-core process; else stepped in this process), ``tp`` (tensor
-parallel size), ``cache_bytes``, ``kv_bytes``, ``scheduler`` (false: ours
-without ``scheduler_cls``), ``watch_modules`` (record
+engine-core process; else stepped in this process), ``cache_bytes``, ``kv_bytes``, ``watch_modules`` (record
 every vLLM module attribute before the engine and check none was
 replaced). The last line printed is ``RESULT`` and a JSON report: every
 request's tokens by name, and memory samples ``[label, physical_bytes,
@@ -120,7 +118,7 @@ class Trace:
     def rl(self) -> None:
         """An RL loop with the same load every cycle."""
         prompts = [prompt(i, 60 + 31 * i, shared=32) for i in range(8)]
-        for cycle in range(settings.get("cycles", 15)):
+        for cycle in range(15):
             self.generate([f"c{cycle}q{i}" for i in range(8)], prompts, 16)
             self.settle(f"cycle {cycle} generated", 0.5)
             self.llm.sleep(level=1)
@@ -178,9 +176,8 @@ def main() -> None:
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
         kv_cache_memory_bytes=settings.get("kv_bytes", 128 << 20),
-        tensor_parallel_size=settings.get("tp", 1),
         worker_cls=WORKER if worker in ("ours", "static") else "auto",
-        scheduler_cls=SCHEDULER if worker == "ours" and settings.get("scheduler", True) else None,
+        scheduler_cls=SCHEDULER if worker == "ours" else None,
         additional_config={"extensible_kv": extensible},
     )
     trace = Trace(llm, worker == "ours")

@@ -64,8 +64,11 @@ from extensible_kv.kv.strided import segmentation
 
 check_vllm_version(installed_vllm())
 
+from vllm import envs  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
+from extensible_kv.integrations.vllm_client import client_pid, watch_client  # noqa: E402
+from extensible_kv.integrations.vllm_connectors import release_refusal  # noqa: E402
 from extensible_kv.integrations.vllm_options import (  # noqa: E402
     GROWTH_MODES,
     OPTIONS,
@@ -163,6 +166,17 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         self._sizing: dict[str, int] | None = None
         self._provisional = False
         self._layout: Any = None
+        #: Whether a sleep took the KV cache from its connector (vLLM 0.33+),
+        #: to be registered again on the wake.
+        self._connector_unregistered = False
+
+    def init_device(self) -> None:
+        """vLLM's, then the watch on the engine's client: an orphaned engine
+        shuts down and gives its memory back (``integrations/vllm_client.py``)."""
+        super().init_device()
+        client = client_pid(envs.VLLM_PROCESS_NAME_PREFIX)
+        if client is not None:
+            watch_client(client)
 
     # -- options ------------------------------------------------------------------
 
@@ -439,14 +453,27 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             self.vllm_config.model_config.enable_sleep_mode
         )
 
+    def _connector(self) -> Any:
+        """This worker's KV connector, or None."""
+        if not self._has_connector():
+            return None
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        return get_kv_transfer_group() if has_kv_transfer_group() else None
+
     def _release_kv(self, what: str) -> None:
         assert self._kv is not None
-        if self._has_connector():
-            raise RuntimeError(
-                f"{what} would discard the KV cache, which {self._connector_name()} has "
-                f"registered for transfers; vLLM's connectors do not register it again "
-                f"after a wake. Sleep at level 0, or run without the connector"
-            )
+        connector = self._connector()
+        if connector is not None:
+            reason = release_refusal(type(connector), self.vllm_config.kv_transfer_config)
+            if reason is not None:
+                raise RuntimeError(
+                    f"{what} would discard the KV cache, which {self._connector_name()} has "
+                    f"registered for transfers; {reason}. Sleep at level 0, or run without "
+                    f"the connector"
+                )
+            connector.unregister_kv_caches()
+            self._connector_unregistered = True
         self._kv.buffers.release_physical()
 
     def sleep(self, level: int = 1) -> None:
@@ -469,6 +496,9 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             return
         if tags is None or "kv_cache" in tags:
             self._wake_kv()
+            if self._connector_unregistered:  # the memory is back: register it again
+                self._connector().restore_kv_caches()
+                self._connector_unregistered = False
         if self._parent_sleeps():
             super().wake_up(tags)
 
@@ -538,8 +568,9 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if self._has_connector():
             raise RuntimeError(
                 f"sleep_kv_cache would release the KV cache, which {self._connector_name()} "
-                f"has registered for transfers; vLLM's connectors do not register it again "
-                f"after a wake. Sleep at level 0 only, or run without the connector"
+                f"has registered for transfers; a connector's peers learn of a cache "
+                f"registered again only through vLLM's own wake_up (vLLM 0.33 and later). "
+                f"Use llm.sleep(level=1) there, or run without the connector"
             )
         kv.buffers.release_physical(preserve=preserve)
 

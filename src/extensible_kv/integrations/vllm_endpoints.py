@@ -1,0 +1,179 @@
+"""HTTP routes for vLLM's OpenAI server: the KV memory of this instance.
+
+An endpoint plug-in (vLLM's ``vllm.endpoint_plugins`` entry-point group,
+loaded only when named in ``VLLM_PLUGINS``)::
+
+    VLLM_PLUGINS=extensible_kv python -m vllm.entrypoints.openai.api_server ...
+
+- ``GET /extensible_kv/state``: ``extensible-kv top --once --json``'s
+  snapshot (same schema, docs/budget.md), narrowed to this instance's
+  processes; each device keeps its whole budget (``limit_bytes``,
+  ``revision``, ``claimed_bytes`` of every process on it).
+- ``GET /extensible_kv/metrics``: the same figures in Prometheus' text format.
+
+Both read what every process already publishes in the budget's state
+directory; as vLLM's plug-in contract asks, they open no path into the
+engine. The figures are at most half a second old (docs/budget.md).
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from extensible_kv.budget import snapshot, state_dir
+from extensible_kv.budget.state_dir import StateDirError
+
+#: The routes' common prefix.
+PREFIX = "/extensible_kv"
+#: The title vLLM gives each of several API servers (``--api-server-count``);
+#: their engines are children of the process that started them.
+_SEVERAL_SERVERS_TITLE = "VLLM::APIServer"
+
+
+def instance_pids() -> set[int]:
+    """This server's processes: itself and every descendant (its engine core
+    and workers); with several API servers, every process their launcher
+    started."""
+    server = psutil.Process()
+    root = server
+    parent = server.parent()
+    if parent is not None and _title(server).startswith(_SEVERAL_SERVERS_TITLE):
+        root = parent
+    return {root.pid, *(child.pid for child in root.children(recursive=True))}
+
+
+def _title(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def instance_state(pids: set[int]) -> dict[str, Any]:
+    """The state directory's snapshot (``top --json``'s schema) with only
+    the processes in ``pids``, on the devices where any of them claims or
+    publishes; device totals stay whole."""
+    state = snapshot(state_dir())
+    devices = []
+    for device in state["devices"]:
+        processes = [p for p in device["processes"] if p["pid"] in pids]
+        if processes:
+            devices.append({**device, "processes": processes})
+    return {**state, "devices": devices}
+
+
+class _StateCollector:
+    """One snapshot as Prometheus gauges (bytes; ``asleep`` 0 or 1); a
+    collector as prometheus_client registers one."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        device_labels = ["device", "type"]
+        limit = GaugeMetricFamily(
+            "extensible_kv_device_limit_bytes",
+            "The device's limit (absent without one).",
+            labels=device_labels,
+        )
+        revision = GaugeMetricFamily(
+            "extensible_kv_device_limit_revision",
+            "The device limit's revision (0: never set).",
+            labels=device_labels,
+        )
+        claimed = GaugeMetricFamily(
+            "extensible_kv_device_claimed_bytes",
+            "What every live process claims on the device.",
+            labels=device_labels,
+        )
+        process_claimed = GaugeMetricFamily(
+            "extensible_kv_process_claimed_bytes",
+            "What one of this instance's processes claims on the device.",
+            labels=[*device_labels, "pid"],
+        )
+        cache_labels = [*device_labels, "pid", "kind", "cache"]
+        caches = {
+            key: GaugeMetricFamily(f"extensible_kv_cache_{key}", text, labels=cache_labels)
+            for key, text in (
+                ("reserved_bytes", "Address space reserved (no memory)."),
+                ("committed_bytes", "Bytes of the committed blocks."),
+                ("physical_bytes", "Memory mapped, in whole granules."),
+                ("asleep", "1 between a sleep and its wake."),
+            )
+        }
+        for device in self._state["devices"]:
+            labels = [device["device"], device["type"]]
+            if device["limit_bytes"] is not None:
+                limit.add_metric(labels, device["limit_bytes"])
+            revision.add_metric(labels, device["revision"])
+            claimed.add_metric(labels, device["claimed_bytes"])
+            for process in device["processes"]:
+                pid = str(process["pid"])
+                process_claimed.add_metric([*labels, pid], process["claimed_bytes"])
+                for index, cache in enumerate(process["caches"]):
+                    values = {**cache, "asleep": int(bool(cache.get("asleep")))}
+                    for key, family in caches.items():
+                        family.add_metric([*labels, pid, cache["kind"], str(index)], values[key])
+        yield from (limit, revision, claimed, process_claimed, *caches.values())
+
+
+def metrics_text(state: dict[str, Any]) -> bytes:
+    """``state`` (a snapshot) in Prometheus' text exposition format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StateCollector(state))
+    text: bytes = generate_latest(registry)
+    return text
+
+
+def _unreadable(exc: StateDirError) -> JSONResponse:
+    return JSONResponse({"error": str(exc)}, status_code=503)
+
+
+def _state() -> Any:
+    try:
+        return instance_state(instance_pids())
+    except StateDirError as exc:
+        return _unreadable(exc)
+
+
+def _metrics() -> Response:
+    try:
+        text = metrics_text(instance_state(instance_pids()))
+    except StateDirError as exc:
+        return _unreadable(exc)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def _router() -> APIRouter:
+    router = APIRouter(prefix=PREFIX)
+    # Plain functions: FastAPI runs them in its thread pool, so reading the
+    # state directory never blocks the server's event loop.
+    router.add_api_route("/state", _state, methods=["GET"])
+    router.add_api_route("/metrics", _metrics, methods=["GET"])
+    return router
+
+
+class ExtensibleKVEndpoints:
+    """The ``extensible_kv`` endpoint plug-in (vLLM's ``EndpointPlugin``
+    protocol): routes only; they need no engine, so every server task,
+    vLLM's render server included, gets them."""
+
+    name = "extensible_kv"
+    required_tasks = None
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(_router())
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        """Nothing to set up: every request reads the state directory."""
+
+
+__all__ = ["PREFIX", "ExtensibleKVEndpoints", "instance_pids", "instance_state", "metrics_text"]
