@@ -6,11 +6,11 @@ and the ``elastic`` benchmark, in a process of its own.
 Settings (JSON): ``model``, ``worker`` ("ours": our worker and scheduler
 with ``growth: "elastic"``; "static": our worker with static growth;
 "stock"), ``trace`` (see TRACES), ``multiprocessing`` (vLLM's default
-engine-core process; else stepped in this process), ``cache_bytes``, ``kv_bytes``, ``watch_modules`` (record
-every vLLM module attribute before the engine and check none was
-replaced). The last line printed is ``RESULT`` and a JSON report: every
-request's tokens by name, and memory samples ``[label, physical_bytes,
-blocks_in_use]``.
+engine-core process; else stepped in this process), ``cache_bytes``,
+``kv_bytes``, ``watch_modules`` (record every vLLM module attribute before
+the engine and check none was replaced). The last line printed is
+``RESULT`` and a JSON report: every request's tokens by name, and memory
+samples ``[label, physical_bytes, blocks_in_use]``.
 """
 
 from __future__ import annotations

@@ -59,20 +59,18 @@ def _parent(pid: int) -> int:
         return int(stat.read().rpartition(")")[2].split()[1])
 
 
-def watch_client(pid: int) -> bool:
+def watch_client(pid: int) -> None:
     """Start a daemon thread that shuts this process down once ``pid`` is
-    gone; False (nothing started) where the kernel has no pidfd or ``pid``
-    is gone already."""
+    gone (nothing where the kernel has no pidfd, or ``pid`` is gone already)."""
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError) as exc:
-        logger.debug("not watching the engine's client (pid %d): %s", pid, exc)
-        return False
+        logger.warning("extensible-kv cannot watch the engine's client (pid %d): %s", pid, exc)
+        return
     watch = threading.Thread(
         target=_wait_and_shut_down, args=(pid, pidfd), name="extensible-kv-client", daemon=True
     )
     watch.start()
-    return True
 
 
 def _wait_and_shut_down(pid: int, pidfd: int) -> None:
