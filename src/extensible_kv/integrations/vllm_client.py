@@ -39,12 +39,12 @@ def client_pid(title_prefix: str) -> int | None:
     client, or in a process Ray or another launcher owns)."""
     marker = f"{title_prefix}::"
     pid = os.getpid()
-    while _title(pid).startswith(marker):
+    while process_title(pid).startswith(marker):
         pid = _parent(pid)
     return None if pid == os.getpid() or pid <= 1 else pid
 
 
-def _title(pid: int) -> str:
+def process_title(pid: int) -> str:
     """A process's title (its command line, which vLLM's setproctitle rewrites)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:

@@ -27,34 +27,27 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from vllm import envs
 
 from extensible_kv.budget import snapshot, state_dir
 from extensible_kv.budget.state_dir import StateDirError
+from extensible_kv.integrations.vllm_client import process_title
 
 #: The routes' common prefix.
 PREFIX = "/extensible_kv"
-#: The title vLLM gives each of several API servers (``--api-server-count``);
-#: their engines are children of the process that started them.
-_SEVERAL_SERVERS_TITLE = "VLLM::APIServer"
 
 
 def instance_pids() -> set[int]:
     """This server's processes: itself and every descendant (its engine core
-    and workers); with several API servers, every process their launcher
-    started."""
-    server = psutil.Process()
-    root = server
-    parent = server.parent()
-    if parent is not None and _title(server).startswith(_SEVERAL_SERVERS_TITLE):
+    and workers); with several API servers (``--api-server-count``, each
+    titled ``VLLM::APIServer_<n>``), every process their launcher started,
+    their engines included."""
+    root = psutil.Process()
+    several = process_title(root.pid).startswith(f"{envs.VLLM_PROCESS_NAME_PREFIX}::APIServer")
+    parent = root.parent()
+    if several and parent is not None:
         root = parent
     return {root.pid, *(child.pid for child in root.children(recursive=True))}
-
-
-def _title(process: psutil.Process) -> str:
-    try:
-        return " ".join(process.cmdline())
-    except psutil.Error:
-        return ""
 
 
 def instance_state(pids: set[int]) -> dict[str, Any]:
