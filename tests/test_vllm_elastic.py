@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from engine_report import report_of
 from extensible_kv.demo.tiny_models import save_tiny_model
 
 ENGINE = Path(__file__).resolve().parent / "vllm_elastic.py"
@@ -31,17 +32,7 @@ CACHE_BYTES = 16 * MiB
 
 
 def run(settings: dict[str, Any], *, env: dict[str, str] | None = None) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, str(ENGINE), json.dumps(settings)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **(env or {})},
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    line = next(x for x in reversed(result.stdout.splitlines()) if x.startswith("RESULT "))
-    report: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    return report
+    return report_of(ENGINE, settings, env)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,6 @@ engine runs in a process of its own (``tests/vllm_rl.py``). Runs in ``nox -s vll
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from engine_report import report_of
 from extensible_kv.demo.tiny_models import save_tiny_model
 
 ENGINE = Path(__file__).resolve().parent / "vllm_rl.py"
@@ -31,17 +29,7 @@ WARM = 3
 
 
 def run(settings: dict[str, Any]) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, str(ENGINE), json.dumps(settings)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=os.environ.copy(),
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    line = next(x for x in reversed(result.stdout.splitlines()) if x.startswith("RESULT "))
-    report: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    return report
+    return report_of(ENGINE, settings)
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,11 @@ import sys
 import time
 from typing import Any
 
+from extensible_kv.bench.engine import quiet_vllm_cpu
+
 settings: dict[str, Any] = json.loads(sys.argv[1])
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings.get("multiprocessing") else "0"
-for name, value in {
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_CI_ENV": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
-}.items():
-    os.environ.setdefault(name, value)
+quiet_vllm_cpu(HF_HUB_OFFLINE="1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from extensible_kv.bench.engine import quiet_vllm_cpu
+
 WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"
 
@@ -100,13 +102,7 @@ def main() -> None:
     # The workers import this module by name (worker_extension_cls).
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    for name, value in {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_CI_ENV": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-    }.items():
-        os.environ.setdefault(name, value)
+    quiet_vllm_cpu(HF_HUB_OFFLINE="1")
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
