@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 pytest.importorskip("vllm")
 
+import psutil  # vLLM's dependency
 from prometheus_client.parser import text_string_to_metric_families
 
 from extensible_kv.demo.tiny_models import save_tiny_model
