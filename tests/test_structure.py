@@ -20,7 +20,6 @@ LONG_MODULES = {
     "integrations/vllm.py": 825,
     "kv/buffers.py": 789,
     "integrations/transformers.py": 662,
-    "integrations/vllm_scheduler.py": 501,
 }
 #: Modules of ``driver/`` that import the budget, until the adaptor moves to ``budget/``.
 DRIVER_TO_BUDGET = {"driver/budgeted.py"}

@@ -17,24 +17,10 @@ worker, on the :class:`SchedulerOutput` vLLM already sends each step, the
 and the units to commit ahead. Workers answer on the output they return
 (:class:`~extensible_kv.kv.elastic.ElasticReport`).
 
-How the blocks are handed out (:class:`PackedFreeQueue`, the block pool's
-free queue in this scheduler):
-
-- **Lowest id first.** Free blocks without a prefix hash go out lowest id
-  first, so use packs into the low units and the high ones empty.
-- **Only blocks of committed units** are free as vLLM sees them. A block of
-  a unit no worker has confirmed is kept out of the queue, so vLLM never
-  hands it out: when the load needs more, the scheduler orders units ahead
-  (what waiting and running requests need), and their blocks join the queue
-  once the workers report them committed. What a device budget refuses is
-  then simply blocks vLLM does not have: it queues or preempts as it does
-  with a full pool, and no step fails on a refused commit.
-- **The prefix cache within ``cache_bytes``.** Blocks no request holds
-  that keep a prefix hash stay, least recently used first out, up to
-  ``cache_bytes`` of them; past it the oldest lose their hash (vLLM's own
-  ``evict_blocks``). A unit whose every block is free and uncached is given
-  back while the free blocks of committed units cover what the requests
-  need.
+How the blocks are handed out (lowest id first, only blocks of committed
+units, the prefix cache within ``cache_bytes``) is the block pool's free
+queue in this scheduler,
+:class:`~extensible_kv.integrations.vllm_free_queue.PackedFreeQueue`.
 
 When no request runs, :meth:`ExtensibleKVScheduler.has_requests` stays true
 while orders wait to go out, so vLLM's engine-core loop (the default, a
@@ -51,7 +37,6 @@ scheduler runs without async scheduling.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Iterator
@@ -60,6 +45,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from extensible_kv.integrations.vllm_free_queue import PackedFreeQueue
 from extensible_kv.integrations.vllm_options import options_of
 from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, ranges_of, units_of
 from extensible_kv.kv.strided import segmentation
@@ -72,190 +58,6 @@ logger = logging.getLogger(__name__)
 UNIT_BYTES = 2 << 20
 #: Seconds before units a budget refused are asked for again.
 REFUSED_RETRY_S = 0.05
-
-_USED, _CLEAN, _CACHED, _HIDDEN = 0, 1, 2, 3
-
-
-class PackedFreeQueue:
-    """vLLM's free-block queue with the order and the hiding above.
-
-    It offers what vLLM's ``BlockPool`` calls on its
-    ``FreeKVCacheBlockQueue`` (``popleft``, ``popleft_n``, ``remove``,
-    ``append``, ``append_n``, ``prepend_n``, ``get_all_free_blocks``,
-    ``num_free_blocks``), in O(log n) per block: free blocks without a hash
-    in a heap by id, the rest (cached blocks, and blocks vLLM appends as last
-    resort) in least-recently-used order. Blocks of hidden units are in
-    neither, and not counted free.
-
-    Args:
-        blocks: every block of the pool, by id (vLLM's ``KVCacheBlock``).
-        free: the blocks free now (all hidden at first but unit 0's).
-        blocks_per_unit: blocks per unit.
-    """
-
-    def __init__(self, blocks: list[Any], free: list[Any], blocks_per_unit: int) -> None:
-        self._blocks = blocks
-        self.blocks_per_unit = blocks_per_unit
-        self.num_units = -(-len(blocks) // blocks_per_unit)
-        self._state = bytearray(len(blocks))  # every block _USED
-        self._heap: list[int] = []
-        self._lru: dict[int, None] = {}
-        self._clean = 0
-        #: Per unit: free blocks without a hash, and cached ones.
-        self.clean_in = [0] * self.num_units
-        self.cached_in = [0] * self.num_units
-        #: Units holding a cached block.
-        self.units_with_cached = 0
-        #: Whether cached blocks count as free (vLLM then evicts the least
-        #: recently used for a new block, as with a full pool); the plan
-        #: lends them only when no more memory can be committed.
-        self.lend_cached = True
-        #: Set by every change; the scheduler clears it when it plans.
-        self.changed = True
-        for block in free:
-            self._state[block.block_id] = _HIDDEN
-        self.reveal(0)
-
-    # -- what vLLM's block pool calls -----------------------------------------
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self._clean + (len(self._lru) if self.lend_cached else 0)
-
-    def popleft(self) -> Any:
-        while self._heap:
-            block_id = heapq.heappop(self._heap)
-            if self._state[block_id] == _CLEAN:
-                self._take(block_id)
-                return self._blocks[block_id]
-        if self._lru and self.lend_cached:
-            block_id = next(iter(self._lru))
-            self._take(block_id)
-            return self._blocks[block_id]
-        raise ValueError("No free block available")
-
-    def popleft_n(self, n: int) -> list[Any]:
-        if n > self.num_free_blocks:
-            raise ValueError(f"{n} free blocks asked for, {self.num_free_blocks} free")
-        return [self.popleft() for _ in range(n)]
-
-    def remove(self, block: Any) -> None:
-        self._take(block.block_id)
-
-    def append(self, block: Any) -> None:
-        self._to_cached(block.block_id)
-
-    def append_n(self, blocks: list[Any]) -> None:
-        for block in blocks:
-            self._to_cached(block.block_id)
-
-    def prepend_n(self, blocks: list[Any]) -> None:
-        for block in blocks:
-            self._to_clean(block.block_id)
-
-    def get_all_free_blocks(self) -> list[Any]:
-        clean = sorted(i for i in set(self._heap) if self._state[i] == _CLEAN)
-        return [self._blocks[i] for i in (*clean, *(self._lru if self.lend_cached else ()))]
-
-    # -- transitions -----------------------------------------------------------
-
-    def _take(self, block_id: int) -> None:
-        """A free block goes to use (handed out, or hit in the prefix cache)."""
-        state, unit = self._state[block_id], block_id // self.blocks_per_unit
-        if state == _CLEAN:
-            self._clean -= 1
-            self.clean_in[unit] -= 1
-        elif state == _CACHED:
-            del self._lru[block_id]
-            self._uncache(unit)
-        else:
-            raise AssertionError(f"block {block_id} is not free")
-        self._state[block_id] = _USED
-        self.changed = True
-
-    def _uncache(self, unit: int) -> None:
-        self.cached_in[unit] -= 1
-        self.units_with_cached -= not self.cached_in[unit]
-
-    def _to_clean(self, block_id: int) -> None:
-        if self._state[block_id] == _CACHED:
-            del self._lru[block_id]
-            self._uncache(block_id // self.blocks_per_unit)
-        self._state[block_id] = _CLEAN
-        self._clean += 1
-        self.clean_in[block_id // self.blocks_per_unit] += 1
-        heapq.heappush(self._heap, block_id)
-        if len(self._heap) > 4 * self._clean + 1024:
-            self._heap = [i for i in set(self._heap) if self._state[i] == _CLEAN]
-            heapq.heapify(self._heap)
-        self.changed = True
-
-    def _to_cached(self, block_id: int) -> None:
-        unit = block_id // self.blocks_per_unit
-        if self._state[block_id] == _CLEAN:
-            self._clean -= 1
-            self.clean_in[unit] -= 1
-        self._state[block_id] = _CACHED
-        self._lru[block_id] = None
-        self.units_with_cached += not self.cached_in[unit]
-        self.cached_in[unit] += 1
-        self.changed = True
-
-    # -- what the scheduler calls ------------------------------------------------
-
-    @property
-    def num_cached(self) -> int:
-        """Free blocks in least-recently-used order (cached ones)."""
-        return len(self._lru)
-
-    @property
-    def num_clean(self) -> int:
-        """Free blocks of committed units without a hash."""
-        return self._clean
-
-    def cached_oldest_first(self) -> list[int]:
-        """The cached blocks' ids, least recently used first."""
-        return list(self._lru)
-
-    def cached_of(self, unit: int) -> list[int]:
-        """The cached blocks of ``unit``."""
-        return [i for i in self.unit_blocks(unit) if self._state[i] == _CACHED]
-
-    def holds_no_request(self, unit: int) -> bool:
-        """Whether every block of ``unit`` is free (cached or not)."""
-        return self.clean_in[unit] + self.cached_in[unit] == len(self.unit_blocks(unit))
-
-    def forget(self, block_id: int) -> None:
-        """A cached block lost its hash: it is free and clean now."""
-        self._to_clean(block_id)
-
-    def forget_all(self) -> None:
-        """Every cached block lost its hash (the prefix cache was reset)."""
-        for block_id in list(self._lru):
-            self._to_clean(block_id)
-
-    def unit_blocks(self, unit: int) -> range:
-        per = self.blocks_per_unit
-        return range(unit * per, min((unit + 1) * per, len(self._blocks)))
-
-    def is_empty(self, unit: int) -> bool:
-        """Whether every block of ``unit`` is free without a hash."""
-        return self.clean_in[unit] == len(self.unit_blocks(unit))
-
-    def hide(self, unit: int) -> None:
-        """Take an empty unit's blocks out of circulation."""
-        for block_id in self.unit_blocks(unit):
-            if self._state[block_id] == _CLEAN:
-                self._state[block_id] = _HIDDEN
-                self._clean -= 1
-                self.clean_in[unit] -= 1
-        self.changed = True
-
-    def reveal(self, unit: int) -> None:
-        """Put a hidden unit's blocks into circulation."""
-        for block_id in self.unit_blocks(unit):
-            if self._state[block_id] == _HIDDEN:
-                self._to_clean(block_id)
 
 
 class ElasticPlan:
