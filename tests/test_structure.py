@@ -19,7 +19,6 @@ LONG_MODULES = {
     "buffer.py": 920,
     "integrations/vllm.py": 825,
     "kv/buffers.py": 789,
-    "integrations/transformers.py": 662,
 }
 #: Modules of ``driver/`` that import the budget, until the adaptor moves to ``budget/``.
 DRIVER_TO_BUDGET = {"driver/budgeted.py"}
