@@ -473,7 +473,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
                     f"the connector"
                 )
             connector.unregister_kv_caches()
+            try:
+                self._kv.buffers.release_physical()
+            except BaseException:
+                connector.restore_kv_caches()  # the memory stayed: so does its registration
+                raise
             self._connector_unregistered = True
+            return
         self._kv.buffers.release_physical()
 
     def sleep(self, level: int = 1) -> None:
