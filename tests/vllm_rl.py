@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from extensible_kv.bench.elastic import prompt
 from extensible_kv.bench.engine import quiet_vllm_cpu
 
 WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
@@ -125,11 +126,7 @@ def main() -> None:
         additional_config={"extensible_kv": {"growth": "elastic"}} if elastic else {},
     )
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
-    shared = [(5 * j) % 500 + 1 for j in range(40)]
-    prompts = [
-        TokensPrompt(prompt_token_ids=shared + [(11 * i + j) % 500 + 1 for j in range(20 + 9 * i)])
-        for i in range(6)
-    ]
+    prompts = [TokensPrompt(prompt_token_ids=prompt(i, 60 + 9 * i, shared=40)) for i in range(6)]
     report: dict[str, Any] = {
         "tokens": [],
         "figures": [],

@@ -26,6 +26,8 @@ from typing import Any
 
 import psutil
 
+from extensible_kv.bench.elastic import prompt
+
 WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"
 MiB = 1 << 20
@@ -44,7 +46,7 @@ def free_port() -> int:
 
 def token_prompts(count: int, seed: int = 0) -> list[list[int]]:
     """``count`` token prompts of different lengths (no tokenizer needed)."""
-    return [[(7 * i + 3 * seed + j) % 500 + 1 for j in range(60 + 37 * i)] for i in range(count)]
+    return [prompt(10 * seed + i, 60 + 37 * i) for i in range(count)]
 
 
 class Server:
