@@ -11,8 +11,9 @@ GPU) and changes three things, through vLLM's hooks:
   out at a capacity (an upper bound of blocks: address space only), reserves
   it with :func:`~extensible_kv.kv.allocate_kv_cache`, commits vLLM's block
   count and hands the reservation to vLLM as the KV cache's backing buffer
-  (see :class:`_HandOver`). vLLM then makes its own views, shapes, strides,
-  dtypes and kernel blocks over it and binds them as usual.
+  (see :mod:`~extensible_kv.integrations.vllm_handover`). vLLM then makes
+  its own views, shapes, strides, dtypes and kernel blocks over it and binds
+  them as usual.
 - **Sleep and wake.** ``sleep(level >= 1)`` and ``discard(("kv_cache",))``
   release every byte of KV physical memory; ``wake_up()`` and
   ``wake_up(tags=["kv_cache"])`` commit it again, zeroed, at the same
@@ -53,7 +54,6 @@ import warnings
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from extensible_kv import granule_size, unavailable_reason, waiting_for_budget
 from extensible_kv._checks import check_bool, check_int
@@ -69,12 +69,14 @@ from vllm.platforms import current_platform  # noqa: E402
 
 from extensible_kv.integrations.vllm_client import client_pid, watch_client  # noqa: E402
 from extensible_kv.integrations.vllm_connectors import release_refusal  # noqa: E402
+from extensible_kv.integrations.vllm_handover import HandOver  # noqa: E402
 from extensible_kv.integrations.vllm_options import (  # noqa: E402
     GROWTH_MODES,
     OPTIONS,
     options_of,
 )
 from extensible_kv.integrations.vllm_scheduler import ExtensibleKVScheduler  # noqa: E402
+from extensible_kv.integrations.vllm_steps import ended, scheduled_block_ids  # noqa: E402
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _VllmWorker
@@ -101,44 +103,6 @@ STATE_KEYS = (
 __all__ = ["GROWTH_MODES", "OPTIONS", "STATE_KEYS", "ExtensibleKVScheduler", "ExtensibleKVWorker"]
 
 
-class _HandOver(TorchFunctionMode):
-    """The context vLLM allocates its KV cache in, returning our reservation.
-
-    vLLM hands the worker's ``kv_cache_allocation_context`` to its
-    ``allocate_kv_cache`` so that a worker can place the cache in its own
-    memory (it is how vLLM's CuMem sleep pool gets it). Inside, that
-    function makes the backing buffer with one ``torch.zeros(size,
-    dtype=torch.int8)``; this torch function mode answers exactly that call
-    with our reservation (already committed and zeroed for vLLM's block
-    count) and lets every other call through.
-    """
-
-    def __init__(self, backing: torch.Tensor) -> None:
-        super().__init__()
-        self.backing = backing
-        self.used = False
-
-    def _is_backing(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether a ``torch.zeros`` call asks for our buffer's bytes as int8."""
-        size = args if len(args) != 1 else args[0]
-        if isinstance(size, (tuple, list, torch.Size)) and len(size) == 1:
-            size = size[0]
-        return not self.used and kwargs.get("dtype") is torch.int8 and size == self.backing.numel()
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.zeros and self._is_backing(args, kwargs):
-            self.used = True
-            return self.backing
-        return func(*args, **kwargs)
-
-
 def _total_memory(device: torch.device) -> int:
     """Bytes of memory the device has: what bounds a capacity by default."""
     if device.type == "cpu":
@@ -160,7 +124,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         self._orders: ElasticOrders | None = None
         self._holding: ElasticOrders | None = None
         self._report: ElasticReport | None = None
-        self._handover: _HandOver | None = None
+        self._handover: HandOver | None = None
         #: The measurement that sized the cache (determine_available_memory),
         #: and whether the reservation it made waits for vLLM's final count.
         self._sizing: dict[str, int] | None = None
@@ -366,7 +330,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             self._elastic.start()
         else:
             buffers.commit(num_blocks, defragment=self._has_connector())
-        self._handover = _HandOver(self._kv.backing[0])
+        self._handover = HandOver(self._kv.backing[0])
         try:
             super().initialize_from_config(runner_config)
             if not self._handover.used:
@@ -640,7 +604,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             (
                 i
                 for state in requests.values()
-                if not _ended(state, max_len)
+                if not ended(state, max_len)
                 for group in state.block_ids
                 for i in group
             ),
@@ -678,7 +642,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if self._kv.buffers.released:
             self._wake_before_step()
         if self._growth is not None and scheduler_output is not None:
-            self._growth.ensure(_scheduled_block_ids(scheduler_output))
+            self._growth.ensure(scheduled_block_ids(scheduler_output))
 
     def _wake_before_step(self) -> None:
         warnings.warn(
@@ -715,7 +679,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         elif self._holding is not None and not self._elastic.holds_units(self._holding.held):
             # Woken since: commit what the scheduler counts again.
             self._elastic.apply(self._holding)
-        used = _scheduled_block_ids(scheduler_output)
+        used = scheduled_block_ids(scheduler_output)
         if not self._elastic.holds(used):
             raise RuntimeError(
                 f"vLLM scheduled blocks outside the units the scheduler ordered "
@@ -800,32 +764,3 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             return self._growth.high_water
         assert self._kv is not None
         return self._kv.buffers.num_blocks_committed
-
-
-def _ended(state: Any, max_model_len: int) -> bool:
-    """Whether a runner's request ended with its last token, by vLLM's own
-    rules for the tokens it has (``SamplingParams``)."""
-    params, output = state.sampling_params, state.output_token_ids
-    if params is None or not output:
-        return False
-    if params.max_tokens is not None and len(output) >= params.max_tokens:
-        return True
-    if len(state.prompt_token_ids or ()) + len(output) >= max_model_len:
-        return True
-    return len(output) >= params.min_tokens and output[-1] in params.all_stop_token_ids
-
-
-def _scheduled_block_ids(scheduler_output: Any) -> list[int]:
-    """Every block id a vLLM step is about to use: new requests' blocks,
-    running requests' new blocks, and the blocks it zeroes or copies into."""
-    ids: list[int] = []
-    for request in scheduler_output.scheduled_new_reqs:
-        for group in request.block_ids:
-            ids.extend(group)
-    for blocks in scheduler_output.scheduled_cached_reqs.new_block_ids:
-        for group in blocks or ():
-            ids.extend(group)
-    ids.extend(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
-    for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
-        ids.extend((copy.src_block_id, copy.dst_block_id))
-    return ids
