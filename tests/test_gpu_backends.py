@@ -26,6 +26,7 @@ from extensible_kv import (
     OutOfMemoryError,
     StatisticsDriver,
     VirtualBuffer,
+    devices,
 )
 from extensible_kv.driver import select
 from extensible_kv.driver.cuda import CudaDriver
@@ -408,8 +409,8 @@ def test_selection_hands_out_the_probed_driver(
         "extensible_kv.driver.cuda.load_bindings", lambda: SimCuda(cuda_bindings, SimMachine())
     )
     assert select.unavailable_reason("cuda:0") is None
-    assert isinstance(select.get_driver("cuda:0").inner, CudaDriver)
-    assert select.get_driver(0) is select.get_driver("cuda")
+    assert isinstance(devices.get_driver("cuda:0").inner, CudaDriver)
+    assert devices.get_driver(0) is devices.get_driver("cuda")
 
 
 def test_missing_bindings_say_what_to_install(
@@ -428,7 +429,7 @@ def test_without_a_driver_library_every_entry_point_says_so(fresh_selection: Non
     assert reason is not None
     assert reason.startswith("the CUDA driver library could not be loaded")
     with pytest.raises(BackendUnavailableError, match="driver library could not be loaded"):
-        select.get_driver("cuda")
+        devices.get_driver("cuda")
     with pytest.raises(BackendUnavailableError, match="driver library could not be loaded"):
         ExtensibleTensor(1024, "cuda:0")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,13 +17,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from extensible_kv import (
+    BudgetDriver,
+    BudgetExceededError,
     ExtensibleTensor,
     FaultInjectingDriver,
     PoolingDriver,
     StatisticsDriver,
     get_driver,
 )
-from extensible_kv.driver import Driver, DriverAdaptor, DriverError, drain_pools
+from extensible_kv.driver import Driver, DriverAdaptor, DriverError, backend, drain_pools
 from extensible_kv.kv import KVCacheBuffers
 from extensible_kv.share import receive_tensor, send_tensor
 
@@ -547,3 +550,45 @@ def test_a_sleep_gives_back_what_a_fill_in_flight_creates(
     assert pool.idle_handles == 0
     assert stats.live.handles == 0
     tensor.free()
+
+
+# -- a pool over a budget: the hold a piece of work asks for goes through it ---------
+
+
+def test_a_commit_a_pool_over_a_full_budget_cannot_serve_is_refused_holding_nothing(
+    tmp_path: Path,
+) -> None:
+    """The commit holds its memory up front (the protocol's ``reserving``),
+    through the pool: refused before any handle is made, none left idle."""
+    budget = BudgetDriver(backend("cpu"), state_dir=tmp_path)
+    stats = StatisticsDriver(budget)
+    pool = PoolingDriver(stats)
+    g = pool.granularity(0, False)
+    budget.ledger(0).set_limit(2 * g)
+    tensor = ExtensibleTensor(4 * g, "cpu", driver=pool, chunk_bytes=g)
+    with pytest.raises(BudgetExceededError):
+        tensor.resize_(3 * g)
+    assert stats.calls["create"].calls == 0, "refused before it made anything"
+    assert (tensor.physical_bytes, pool.idle_bytes, budget.ledger(0).held) == (0, 0, 0)
+    tensor.free()
+
+
+def test_what_a_pool_keeps_idle_serves_a_commit_under_a_full_budget(tmp_path: Path) -> None:
+    """Idle handles hold their claim already: the hold asks the budget only
+    for what they will not serve, so a growth back into them is not refused."""
+    budget = BudgetDriver(backend("cpu"), state_dir=tmp_path)
+    pool = PoolingDriver(budget)
+    g = pool.granularity(0, False)
+    budget.ledger(0).set_limit(3 * g)
+    tensor = ExtensibleTensor(4 * g, "cpu", driver=pool, chunk_bytes=g)
+    tensor.resize_(3 * g)
+    tensor.shrink_per_segment_(g)
+    assert (pool.idle_bytes, budget.ledger(0).held) == (2 * g, 3 * g)
+    tensor.resize_(3 * g)
+    assert (pool.hits, pool.idle_bytes, budget.ledger(0).held) == (2, 0, 3 * g)
+    with pytest.raises(BudgetExceededError):
+        tensor.resize_(4 * g)
+    assert tensor.physical_bytes == 3 * g
+    tensor.free()  # into the pool: only a sleep or a drain gives idle memory back
+    assert drain_pools(pool) == 3 * g
+    assert budget.ledger(0).held == 0

@@ -8,10 +8,10 @@ views never move, so captured CUDA graphs stay valid throughout.
 import torch
 
 from extensible_kv.buffer import Chunk, VirtualBuffer
+from extensible_kv.devices import BudgetDriver, get_driver, waiting_for_budget
 from extensible_kv.dlpack import ByteView, uint8_tensor_from_ptr
 from extensible_kv.driver import (
     BackendUnavailableError,
-    BudgetDriver,
     BudgetExceededError,
     Driver,
     DriverError,
@@ -20,9 +20,7 @@ from extensible_kv.driver import (
     OutOfMemoryError,
     PoolingDriver,
     StatisticsDriver,
-    get_driver,
     unavailable_reason,
-    waiting_for_budget,
 )
 from extensible_kv.driver.select import parse_device
 from extensible_kv.kv import (

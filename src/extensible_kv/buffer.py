@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from extensible_kv._checks import check_bytes, check_int, round_up
-from extensible_kv.driver import Driver, OutOfMemoryError, drain_pools
+from extensible_kv.driver import Driver, OutOfMemoryError
 from extensible_kv.intervals import IntervalSet
 
 logger = logging.getLogger(__name__)
@@ -349,9 +349,9 @@ class VirtualBuffer:
 
         Returns the bytes released. Views stay valid as pointers but must not
         be touched until memory is committed again; contents are discarded.
-        A sleep: handle pools below the buffer are drained too.
+        A sleep: memory the driver stack keeps idle for reuse goes back too.
         """
-        return release_together([self], drain=True)
+        return release_together([self], idle=True)
 
     def release_outside(self, keep: Iterable[tuple[int, int]]) -> int:
         """Release every chunk holding no byte of ``keep`` (``(offset, size)`` pairs).
@@ -607,7 +607,7 @@ class VirtualBuffer:
             if not self._reserved:
                 return
             with self._context():
-                # Into a handle pool, if there is one: only a sleep drains it.
+                # Kept for reuse below, if the stack keeps memory: a sleep's to free.
                 release_together([self])
                 self._freed = True
                 if self._views == 0:
@@ -697,22 +697,22 @@ def commit_together(
         return [[(run[0][0], sum(size for _, size in run)) for run in plan] for plan in plans]
 
 
-def release_together(buffers: Sequence[VirtualBuffer], *, drain: bool = False) -> int:
+def release_together(buffers: Sequence[VirtualBuffer], *, idle: bool = False) -> int:
     """Release all physical memory of several buffers; freed buffers are skipped.
 
     Unmapping is all or nothing across the buffers: if one unmap fails, every
     chunk unmapped so far is mapped back, contents intact. Then the handles
     are released; one whose release fails is kept, and released by the next
-    call that changes its buffer. With ``drain`` (a sleep), handle pools
-    below the buffers (:class:`~extensible_kv.driver.PoolingDriver`) are
-    drained too, so every byte goes back to the driver. Returns the bytes
-    released.
+    call that changes its buffer. With ``idle`` (a sleep), the memory the
+    buffers' driver stacks keep idle for reuse goes back too
+    (:meth:`~extensible_kv.driver.Driver.release_idle`), so every byte goes
+    back to the driver. Returns the bytes released by the buffers.
     """
     with hold_locks(buffers):
         released = _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
-        if drain:
+        if idle:
             for driver in {id(b.driver): b.driver for b in buffers}.values():
-                drain_pools(driver)
+                driver.release_idle()
         return released
 
 

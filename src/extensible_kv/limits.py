@@ -18,7 +18,8 @@ import torch
 from extensible_kv.budget import Ledger, Limit, parse_size, state_dir
 from extensible_kv.budget.ledger import check_limit, check_revision, check_uuid
 from extensible_kv.budget.snapshot import read_ledgers
-from extensible_kv.driver import get_driver, parse_device
+from extensible_kv.devices import get_driver
+from extensible_kv.driver import parse_device
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from extensible_kv._checks import check_bool, check_bytes, check_int
+from extensible_kv.budget.adaptor import find_budget
 from extensible_kv.budget.publish import register_cache
 from extensible_kv.buffer import (
     Remap,
@@ -32,10 +33,10 @@ from extensible_kv.buffer import (
     swap_in_together,
     synchronize_buffers,
 )
+from extensible_kv.devices import get_driver
 from extensible_kv.dlpack import ByteView, as_tensor
-from extensible_kv.driver import Driver, device_with_uuid, get_driver, parse_device
-from extensible_kv.driver.budgeted import BudgetDriver, find_budget, prepaying_budget
-from extensible_kv.driver.pool import Kind, PoolingDriver, fill_pools_in_background, find_pool
+from extensible_kv.driver import Driver, device_with_uuid, parse_device
+from extensible_kv.driver.ahead import Kind, create_ahead_in_background
 from extensible_kv.intervals import IntervalSet
 
 _DLPACK_TYPES = {"cpu": (1,), "cuda": (2, 10)}
@@ -318,32 +319,27 @@ class ExtensibleTensor:
     def reserve_ahead(self, bytes_per_segment: int) -> Future[int]:
         """Create, on a background thread, the physical memory that growing
         to ``bytes_per_segment`` bytes per segment will map, into the
-        :class:`~extensible_kv.driver.PoolingDriver` under this tensor, so
-        that the growth, when it comes, only maps (creating is the costly
-        driver call). The future gives the bytes added; the pool stops at
-        its ``cap_bytes``, and what it does not hold is created at the
-        growth, as usual. Needs a pool under the tensor's driver.
+        handle pool of this tensor's driver stack
+        (:meth:`~extensible_kv.driver.Driver.create_ahead`), so that the
+        growth, when it comes, only maps (creating is the costly driver
+        call). The future gives the bytes added; the pool stops at its cap,
+        and what it does not hold is created at the growth, as usual. Needs
+        a pool in the stack (a ValueError says so).
         """
-        return fill_pools_in_background(self._handles_to_grow(bytes_per_segment))
+        return create_ahead_in_background(self._handles_to_grow(bytes_per_segment))
 
-    def _handles_to_grow(self, bytes_per_segment: int) -> list[tuple[PoolingDriver, Kind]]:
-        """One ``(pool, kind)`` per handle a growth to ``bytes_per_segment``
+    def _handles_to_grow(self, bytes_per_segment: int) -> list[tuple[Driver, Kind]]:
+        """One ``(driver, kind)`` per handle a growth to ``bytes_per_segment``
         would create now (none if it is not a growth); validates."""
         buffer = self._buffer
-        pool = find_pool(buffer.driver)
-        if pool is None:
-            raise ValueError(
-                "reserve_ahead() fills a PoolingDriver, and this tensor's driver "
-                f"{buffer.driver!r} has none: create the tensor with "
-                "driver=PoolingDriver(get_driver(device), cap_bytes=...)"
-            )
+        buffer.driver.create_ahead(buffer.granularity, 0, buffer.device, buffer.shareable)
         self._check_alive("reserve_ahead")
         check_int("bytes_per_segment", bytes_per_segment)
         if 0 <= bytes_per_segment <= self._bytes_per_segment:
             return []
         ranges, _ = self._grow_plan(bytes_per_segment, False)
         kind = (buffer.device, buffer.shareable)
-        return [(pool, (size, *kind)) for size in buffer.chunk_sizes(ranges)]
+        return [(buffer.driver, (size, *kind)) for size in buffer.chunk_sizes(ranges)]
 
     def _grow_plan(
         self, bytes_per_segment: int, zero_new: bool
@@ -683,7 +679,7 @@ def resize_per_segment_all(
     with hold_locks(tensor._buffer for tensor, _ in items):
         plans = [(tensor, n, *tensor._grow_plan(n, zero_new)) for tensor, n in items]
         requests = [(tensor._buffer, ranges) for tensor, _, ranges, _ in plans]
-        with _budgeted([(b, sum(b.chunk_sizes(ranges)), 0) for b, ranges in requests]):
+        with _reserving([(b, sum(b.chunk_sizes(ranges)), 0) for b, ranges in requests]):
             mapped = commit_together(requests)
         for (tensor, n, ranges, to_zero), runs in zip(plans, mapped, strict=True):
             if ranges:
@@ -702,31 +698,27 @@ def claimed_at_once(
     with hold_locks(tensor._buffer for tensor, _ in items):
         plans = [(tensor._buffer, tensor._grow_plan(n, False)[0]) for tensor, n in items]
         sizes = [(buffer, sum(buffer.chunk_sizes(ranges))) for buffer, ranges in plans]
-    return _budgeted([(buffer, size, 0) for buffer, size in sizes if size])
+    return _reserving([(buffer, size, 0) for buffer, size in sizes if size])
 
 
-def _budgeted(
+def _reserving(
     items: Sequence[tuple[VirtualBuffer, int, int]],
 ) -> contextlib.AbstractContextManager[object]:
-    """One budget account (:meth:`BudgetDriver.prepaid`) per limited device
-    for the work on ``items``: ``(buffer, bytes it creates beyond what it
-    releases, bytes of credit)``; a device's sum, if positive, is claimed up
-    front. What the work releases stays its own until it ends. Without
-    a limit a claim can neither fail nor wait, so the creates claim one by
-    one and the work costs no more than that."""
-    totals: dict[tuple[BudgetDriver, int], tuple[int, int]] = {}
+    """One hold (:meth:`~extensible_kv.driver.Driver.reserving`) per driver
+    stack and device for the work on ``items``: ``(buffer, bytes it creates
+    beyond what it releases, bytes of credit)``, summed per stack and
+    device. Under a budget's limit it is refused, or waits, before the work
+    makes anything, and what the work releases stays its own until it ends;
+    each adaptor in the stack decides for itself what to hold."""
+    totals: dict[tuple[int, int], tuple[Driver, int, int]] = {}
     for buffer, size, credit in items:
-        budget = prepaying_budget(buffer.driver)
-        if budget is not None and budget.ledger(buffer.device).limited:
-            key = (budget, buffer.device)
-            claimed, credited = totals.get(key, (0, 0))
-            totals[key] = (claimed + size, credited + credit)
-    if not totals:
-        return contextlib.nullcontext()
+        key = (id(buffer.driver), buffer.device)
+        _, claimed, credited = totals.get(key, (buffer.driver, 0, 0))
+        totals[key] = (buffer.driver, claimed + size, credited + credit)
     stack = contextlib.ExitStack()
     try:
-        for (budget, device), (size, credit) in totals.items():
-            stack.enter_context(budget.prepaid(device, max(0, size), credit=credit))
+        for (_, device), (driver, size, credit) in totals.items():
+            stack.enter_context(driver.reserving(device, max(0, size), credit=credit))
     except BaseException:
         stack.close()
         raise
@@ -743,7 +735,7 @@ def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:
         for tensor in tensors:
             tensor._check_alive("release_physical")
         try:
-            release_together([tensor._buffer for tensor in tensors], drain=True)
+            release_together([tensor._buffer for tensor in tensors], idle=True)
         finally:
             for tensor in tensors:
                 if tensor._buffer.physical_bytes == 0:
@@ -786,7 +778,7 @@ def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int
         # claimed as credit, so a cache can trim under a full or lowered limit.
         copies = [(t._buffer, 0, sum(n for r in rs for _, n in r.runs)) for t, rs in plans]
         try:
-            with _budgeted(copies):
+            with _reserving(copies):
                 stagings = _stage_all(plans)
                 swap_in_together(
                     [(tensor._buffer, staging) for tensor, staging in stagings], doomed=doomed
@@ -889,7 +881,7 @@ def _defragment(tensors: Sequence[ExtensibleTensor], preserve: bool) -> None:
     prefixes = [tensor._segment_ranges(0, tensor._bytes_per_segment) for tensor in tensors]
     synchronize_buffers(tensor._buffer for tensor in tensors)
     # What the release gives back stays this defragment's for its new chunks.
-    with _budgeted([(tensor._buffer, 0, 0) for tensor in tensors]):
+    with _reserving([(tensor._buffer, 0, 0) for tensor in tensors]):
         released = release_outside_together(
             [(t._buffer, r) for t, r in zip(tensors, prefixes, strict=True)], synchronized=True
         )
@@ -962,7 +954,7 @@ def _remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
     ]
     finished = False
     try:
-        with _budgeted(growth):
+        with _reserving(growth):
             defragment_together([(t._buffer, r) for t, r in zip(tensors, new, strict=True)])
         finished = True
     finally:

@@ -3,7 +3,7 @@ on the host backend (real Linux virtual memory), each figure measured side
 by side with its baseline in one run, samples interleaved.
 
 * The claim in a commit: a commit and release of one 2 MiB granule through
-  the raw backend, through a :class:`~extensible_kv.driver.BudgetDriver`
+  the raw backend, through a :class:`~extensible_kv.budget.adaptor.BudgetDriver`
   with no limit (the claim is a store into the shared ledger) and through
   one under a limit that never refuses (the claim takes the ledger's lock
   and sums every slot). Microseconds per cycle, and the budget's share of
@@ -39,7 +39,8 @@ from extensible_kv.bench.measure import MiB, Stats
 from extensible_kv.bench.suites import BLOCK_BYTES
 from extensible_kv.budget import STATE_DIR_ENV, Ledger
 from extensible_kv.buffer import VirtualBuffer
-from extensible_kv.driver import BudgetDriver, Driver, backend
+from extensible_kv.devices import BudgetDriver
+from extensible_kv.driver import Driver, backend
 
 Row = dict[str, Any]
 

@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from extensible_kv.bench.measure import MiB, Stats, free_bytes, ratio, sync, timed
-from extensible_kv.driver import Driver, HostDriver, PoolingDriver, StatisticsDriver, get_driver
+from extensible_kv.devices import get_driver
+from extensible_kv.driver import (
+    Backend,
+    Driver,
+    HostDriver,
+    PoolingDriver,
+    StatisticsDriver,
+)
 from extensible_kv.kv import (
     AttentionSpec,
     BlockMajorBackend,
@@ -458,7 +465,7 @@ def view_access(device: torch.device, size: int, repeats: int) -> Row:
 # 5. bookkeeping ------------------------------------------------------------------
 
 
-class NullDriver:
+class NullDriver(Backend):
     """A driver that does nothing: isolates the library's own bookkeeping
     cost from the driver's. For benchmarks only; it backs no memory."""
 

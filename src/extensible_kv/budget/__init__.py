@@ -2,9 +2,9 @@
 state directory, each device's ledger (limit and claims), which processes
 live, and what each publishes for ``extensible-kv top``.
 
-:class:`~extensible_kv.driver.BudgetDriver` claims through it; the
-``extensible-kv limit`` and ``top`` commands read and write it. Nothing here
-calls a driver.
+Its adaptor, :class:`~extensible_kv.budget.adaptor.BudgetDriver`, claims
+through it; the ``extensible-kv limit`` and ``top`` commands read and write
+it. Only the adaptor calls a driver (the one below it).
 """
 
 from extensible_kv.budget.ledger import Ledger, LedgerView, Limit, StaleRevisionError

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extensible_kv.driver.errors import DriverError, OutOfMemoryError
+from extensible_kv.driver.protocol import Backend
 from extensible_kv.intervals import IntervalSet
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def _invalid(call: str, message: str) -> DriverError:
     return DriverError(call, _INVALID_VALUE, "INVALID_VALUE", message)
 
 
-class GpuDriver(ABC):
+class GpuDriver(Backend, ABC):
     """Base of the GPU backends; subclasses bind the calls to their module.
 
     Args:

@@ -123,6 +123,19 @@ class DriverAdaptor:
         manager: AbstractContextManager[None] = self._call("context", device)
         return manager
 
+    # The adaptor calls: forwarded, for the adaptors below to interpret.
+
+    def reserving(
+        self, device: int, size: int, *, credit: int = 0
+    ) -> AbstractContextManager[object]:
+        return self.inner.reserving(device, size, credit=credit)
+
+    def release_idle(self) -> int:
+        return self.inner.release_idle()
+
+    def create_ahead(self, size: int, count: int, device: int, shareable: bool) -> int:
+        return self.inner.create_ahead(size, count, device, shareable)
+
 
 @dataclass
 class CallStats:

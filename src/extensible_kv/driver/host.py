@@ -37,6 +37,7 @@ from pathlib import Path
 
 from extensible_kv.driver import _libc
 from extensible_kv.driver.errors import DriverError, OutOfMemoryError
+from extensible_kv.driver.protocol import Backend
 
 DEFAULT_GRANULARITY = 2 << 20
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -81,7 +82,7 @@ def _from_os(call: str, exc: OSError) -> DriverError:
     return _error(call, exc.errno or errno.EIO, exc.strerror or str(exc))
 
 
-class HostDriver:
+class HostDriver(Backend):
     """Driver protocol over Linux ``mmap``/``mremap``/``madvise`` and memfd.
 
     Args:

@@ -9,30 +9,29 @@ bytes per device, and the next ``create`` of the same size, device and kind
 takes it instead of calling the driver. Shareable memory is never kept once
 used: a peer may still map it.
 
-A full release (a sleep, or ``free``) drains the pools below the buffers it
-releases (:func:`drain_pools`): sleeping returns every byte to the driver.
+A sleep drains the pools below the buffers it releases (the protocol's
+``release_idle``, which this adaptor answers with :meth:`PoolingDriver.drain`):
+sleeping returns every byte to the driver. A piece of work that holds a
+budget for what it creates (``reserving``) holds only what the idle handles
+will not serve, and ``create_ahead`` fills the pool.
 """
 
 from __future__ import annotations
 
 import errno
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
 
 from extensible_kv._checks import check_bool, check_bytes, check_int
 from extensible_kv.driver.adaptors import DriverAdaptor, MappingLedger
+from extensible_kv.driver.ahead import Kind, in_background
 from extensible_kv.driver.errors import DriverError
 from extensible_kv.driver.protocol import Driver
 
 MiB = 1 << 20
 #: Idle bytes a pool keeps per device by default.
 DEFAULT_CAP_BYTES = 256 * MiB
-
-#: What a pooled handle must match: (size in bytes, device, shareable).
-Kind = tuple[int, int, bool]
 
 
 class PoolingDriver(DriverAdaptor):
@@ -308,46 +307,32 @@ class PoolingDriver(DriverAdaptor):
     ) -> Future[int]:
         """:meth:`fill` on a thread of its own, off the caller's critical
         path; the future gives the count added (or the error)."""
-        return _in_background(self.fill, size, count, device, shareable)
+        return in_background(self.fill, size, count, device, shareable)
+
+    # -- the adaptor calls, as a pool reads them -----------------------------------
+
+    def reserving(
+        self, device: int, size: int, *, credit: int = 0
+    ) -> AbstractContextManager[object]:
+        """Hold below what the idle handles on ``device`` will not serve:
+        they hold their memory (and its claim) already. Where they are not
+        of the sizes the work creates, its creates beyond claim one by one."""
+        with self._lock:
+            idle = sum(
+                kind[0] * len(handles) for kind, handles in self._idle.items() if kind[1] == device
+            )
+        return self.inner.reserving(device, max(0, size - idle), credit=credit)
+
+    def release_idle(self) -> int:
+        """:meth:`drain`, then the pools below."""
+        return self.drain() + self.inner.release_idle()
+
+    def create_ahead(self, size: int, count: int, device: int, shareable: bool) -> int:
+        """:meth:`fill`: into this pool, not the ones below."""
+        return self.fill(size, count, device, shareable)
 
 
-def _in_background(work: Callable[..., int], *args: Any) -> Future[int]:
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="extensible-kv-pool")
-    future = executor.submit(work, *args)
-    executor.shutdown(wait=False)
-    return future
-
-
-def _pools_in(driver: Any) -> Iterator[PoolingDriver]:
-    """The :class:`PoolingDriver` adaptors in ``driver``'s chain, top down."""
-    while driver is not None:
-        if isinstance(driver, PoolingDriver):
-            yield driver
-        driver = getattr(driver, "inner", None)
-
-
-def find_pool(driver: Any) -> PoolingDriver | None:
-    """The first :class:`PoolingDriver` in ``driver``'s adaptor chain, if any."""
-    return next(_pools_in(driver), None)
-
-
-def fill_pools_in_background(handles: Iterable[tuple[PoolingDriver, Kind]]) -> Future[int]:
-    """Create handles ahead into their pools, one ``(pool, (size, device,
-    shareable))`` per handle, on a thread of its own; the future gives the
-    bytes added. Each pool stops at its cap; a failing create ends the
-    filling with that error, the handles made before it staying idle."""
-    wanted = Counter(handles)
-
-    def fill_all() -> int:
-        return sum(
-            pool.fill(size, count, device, shareable) * size
-            for (pool, (size, device, shareable)), count in wanted.items()
-        )
-
-    return _in_background(fill_all)
-
-
-def drain_pools(driver: Any) -> int:
-    """Drain every :class:`PoolingDriver` in ``driver``'s adaptor chain;
-    returns the bytes given back to the driver."""
-    return sum(pool.drain() for pool in _pools_in(driver))
+def drain_pools(driver: Driver) -> int:
+    """Give back the memory every pool in ``driver``'s stack keeps idle
+    (:meth:`~extensible_kv.driver.Driver.release_idle`); returns the bytes."""
+    return driver.release_idle()

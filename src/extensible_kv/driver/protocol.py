@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol, runtime_checkable
 
 #: The calls of the protocol, by name: adaptors and tests use it to cover them all.
@@ -25,6 +25,12 @@ DRIVER_CALLS: tuple[str, ...] = (
     "export_handle",
     "import_handle",
 )
+
+#: The calls through which the layers above reach what adaptors do for them
+#: (hold a budget for a piece of work, give back memory kept for reuse,
+#: create ahead): each adaptor forwards them and interprets them for itself,
+#: so nothing above the driver needs to know which adaptors are stacked.
+ADAPTOR_CALLS: tuple[str, ...] = ("reserving", "release_idle", "create_ahead")
 
 
 @runtime_checkable
@@ -59,6 +65,10 @@ class Driver(Protocol):
     Failures raise :class:`~extensible_kv.driver.DriverError`, and
     :class:`~extensible_kv.driver.OutOfMemoryError` when memory or address
     space runs out. A failed call changes nothing.
+
+    The calls of :data:`ADAPTOR_CALLS` are what the layers above ask of the
+    adaptors stacked over a backend, whatever they are; a backend answers
+    them as :class:`Backend` does.
     """
 
     @property
@@ -146,3 +156,49 @@ class Driver(Protocol):
         """Make ``device``'s driver context current on this thread for a
         ``with`` block, and put back whatever was current (or nothing) after."""
         ...
+
+    def reserving(
+        self, device: int, size: int, *, credit: int = 0
+    ) -> AbstractContextManager[object]:
+        """Hold, for a ``with`` block on this thread, the memory one piece of
+        work on ``device`` (a commit, a wake, a defragment, a trim) will
+        create beyond what it releases, ``size`` bytes, so that the work is
+        refused, or waits, before it has made anything; ``credit`` bytes more
+        may be created past a limit, for memory the same block gives back
+        before it ends (a trim's copy of the chunk it cuts through). Blocks
+        nest. A budget claims here; a pool counts what its idle handles
+        will serve; a backend holds nothing."""
+        ...
+
+    def release_idle(self) -> int:
+        """Give every byte kept idle for reuse (a pool's handles) back to the
+        driver below, on every device: what a sleep does, so that it returns
+        all its memory. Returns the bytes; a backend keeps none (0)."""
+        ...
+
+    def create_ahead(self, size: int, count: int, device: int, shareable: bool) -> int:
+        """Create up to ``count`` handles of ``size`` bytes, kept idle for the
+        next creates of that kind (a growth or a wake the caller knows is
+        coming, so that it only maps); returns how many were kept. A count
+        of 0 creates nothing and only checks that the stack keeps handles:
+        without a pool it raises :class:`ValueError` saying so."""
+        ...
+
+
+class Backend:
+    """How a backend answers :data:`ADAPTOR_CALLS`: it holds nothing for a
+    piece of work, keeps no memory idle and cannot create ahead."""
+
+    def reserving(
+        self, device: int, size: int, *, credit: int = 0
+    ) -> AbstractContextManager[object]:
+        return nullcontext()
+
+    def release_idle(self) -> int:
+        return 0
+
+    def create_ahead(self, size: int, count: int, device: int, shareable: bool) -> int:
+        raise ValueError(
+            f"reserve_ahead() fills a PoolingDriver, and the driver {self!r} has none: "
+            f"create the tensor with driver=PoolingDriver(get_driver(device), cap_bytes=...)"
+        )

@@ -1,4 +1,5 @@
-"""Which backend serves a device, and why one cannot."""
+"""Which backend serves a device, and why one cannot. The default stack over
+it, with the budget, is :func:`extensible_kv.devices.get_driver`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv.driver._gpu import GpuDriver
-from extensible_kv.driver.budgeted import BudgetDriver
 from extensible_kv.driver.errors import BackendUnavailableError, DriverError
 from extensible_kv.driver.host import HostDriver
 from extensible_kv.driver.protocol import Driver
@@ -117,15 +117,6 @@ def _initialize_torch() -> None:
         torch.cuda.init()  # type: ignore[no-untyped-call]
 
 
-def get_driver(device: object) -> Driver:
-    """The shared driver for ``device``'s type: its backend under a
-    :class:`~extensible_kv.driver.BudgetDriver`, so that every process's
-    commits count against the device's shared limit (``extensible-kv
-    limit``) and show in ``extensible-kv top``. Raises
-    :class:`BackendUnavailableError` saying why when there is none."""
-    return _with_budget(backend(device))
-
-
 def backend(device: object) -> Driver:
     """The backend serving ``device``'s type itself, with no adaptor above
     it (its own extras, such as ``CudaDriver.capabilities``, are there);
@@ -137,20 +128,6 @@ def backend(device: object) -> Driver:
     if spec.type == "cpu":
         return _host_driver()
     return _gpu_driver()
-
-
-_budgets_lock = threading.Lock()
-#: The budget adaptor over each backend, by the backend's id (backends live
-#: as long as the process).
-_budgets: dict[int, BudgetDriver] = {}
-
-
-def _with_budget(backend: Driver) -> BudgetDriver:
-    with _budgets_lock:
-        found = _budgets.get(id(backend))
-        if found is None or found.inner is not backend:
-            found = _budgets[id(backend)] = BudgetDriver(backend)
-        return found
 
 
 def unavailable_reason(device: object = "cuda") -> str | None:

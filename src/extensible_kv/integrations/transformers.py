@@ -185,7 +185,7 @@ class ExtensibleCache(Cache):
 
     def release_physical(self, preserve: bool = False) -> None:
         """Sleep between turns: give every byte back, keeping addresses
-        (handle pools under the cache are drained too).
+        (memory the driver stacks keep idle for reuse goes back too).
 
         With ``preserve`` the tokens are copied to host memory first and
         :meth:`recommit` restores them (an update before it wakes the cache
@@ -196,7 +196,7 @@ class ExtensibleCache(Cache):
             self.buffers.release_physical(preserve=True)
         else:
             self.reset()
-            self._lockstep.drain_pools()
+            self._lockstep.release_idle()
 
     def recommit(self) -> None:
         """Wake after a preserving :meth:`release_physical`; else nothing."""

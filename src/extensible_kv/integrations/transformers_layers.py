@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from extensible_kv._checks import round_up
-from extensible_kv.driver import Driver, drain_pools
+from extensible_kv.driver import Driver
 from extensible_kv.kv.buffers import KVCacheBuffers
 from extensible_kv.tensor import ExtensibleTensor
 
@@ -122,13 +122,13 @@ class Lockstep:
             self.buffers.commit(0)
         self.buffers.trim(0)
 
-    def drain_pools(self) -> None:
-        """Release the idle handles of every handle pool under the buffers."""
+    def release_idle(self) -> None:
+        """Give back the memory the buffers' driver stacks keep idle for reuse."""
         drivers = {
             id(tensor.buffer.driver): tensor.buffer.driver for tensor, _ in self.buffers.buffers
         }
         for driver in drivers.values():
-            drain_pools(driver)
+            driver.release_idle()
 
 
 _LOCKSTEPS: weakref.WeakValueDictionary[int, Lockstep] = weakref.WeakValueDictionary()

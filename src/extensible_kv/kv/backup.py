@@ -256,16 +256,16 @@ class _Ring:
         waiting: list[tuple[int, torch.Tensor] | None] = [None, None]
         for i, (device_part, host_part) in enumerate(_pieces(regions, copies, self.size)):
             slot = i % 2
-            self._drain(slot, waiting)
+            self._finish(slot, waiting)
             staged = self.slots[slot][: device_part.numel()]
             with torch.cuda.stream(self.stream):
                 staged.copy_(device_part, non_blocking=True)
                 self.events[slot].record(self.stream)
             waiting[slot] = (device_part.numel(), host_part)
         for slot in (0, 1):
-            self._drain(slot, waiting)
+            self._finish(slot, waiting)
 
-    def _drain(self, slot: int, waiting: list[tuple[int, torch.Tensor] | None]) -> None:
+    def _finish(self, slot: int, waiting: list[tuple[int, torch.Tensor] | None]) -> None:
         """Finish the slot's device-to-host copy: wait for it, then move it on."""
         pending = waiting[slot]
         if pending is not None:

@@ -17,7 +17,7 @@ import torch
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.budget.publish import register_cache
 from extensible_kv.buffer import synchronize_buffers
-from extensible_kv.driver.pool import fill_pools_in_background
+from extensible_kv.driver.ahead import create_ahead_in_background
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
@@ -526,12 +526,12 @@ class KVCacheBuffers:
     def reserve_ahead(self, num_blocks: int) -> Future[int]:
         """Create, on a background thread, the physical memory that growing
         to ``num_blocks`` (or, asleep, waking to that count) will map, into
-        the :class:`~extensible_kv.driver.PoolingDriver` under the buffers:
-        the growth or wake then only maps. For a wake, call it while the
-        engine reloads its weights. The future gives the bytes added; each
-        pool stops at its ``cap_bytes`` (size it to the growth), and what it
-        does not hold is created at the commit, as usual. A sleep drains the
-        pools, so reserve after :meth:`release_physical`, not before.
+        the handle pools of the buffers' driver stacks
+        (:meth:`~extensible_kv.driver.Driver.create_ahead`): the growth or
+        wake then only maps. For a wake, call it while the engine reloads
+        its weights. The future gives the bytes added; each pool stops at
+        its cap (size it to the growth), the rest is created at the commit.
+        A sleep gives the pools' idle memory back: reserve after it.
         """
         self._check_alive("reserve_ahead()")
         self._check_count("reserve for", num_blocks)
@@ -540,7 +540,7 @@ class KVCacheBuffers:
             for buffer, per_block in self.buffers
             for handle in buffer._handles_to_grow(num_blocks * per_block)
         ]
-        return fill_pools_in_background(handles)
+        return create_ahead_in_background(handles)
 
     def commit_async(self, num_blocks: int) -> Future[CommitTicket]:
         """Commit ``num_blocks`` on a worker thread, so that the driver calls

@@ -9,9 +9,11 @@ driver, so nothing changes below and the caller's rollback leaves its cache
 as it was. Handles a pool above keeps idle stay claimed, since they hold
 memory. Imported handles claim nothing: their memory is the exporter's.
 
-``get_driver`` puts one under every backend it hands out. With no limit set
-on a device, a claim is a store into a shared mapping, with no lock and no
-system call.
+``get_driver`` (:mod:`extensible_kv.devices`) puts one under every backend
+it hands out. With no limit set on a device, a claim is a store into a
+shared mapping, with no lock and no system call. The layers above reach it
+only through the driver protocol: a piece of work's ``reserving`` block is
+an account here (:meth:`BudgetDriver.prepaid`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,6 @@ from extensible_kv.budget.publish import Publisher, publisher
 from extensible_kv.budget.state_dir import state_dir
 from extensible_kv.driver.adaptors import DriverAdaptor
 from extensible_kv.driver.errors import BudgetExceededError
-from extensible_kv.driver.pool import PoolingDriver
 from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
 
 _waits = threading.local()
@@ -46,9 +47,8 @@ def waiting_for_budget(timeout_s: float) -> Iterator[None]:
     only then raises :class:`~extensible_kv.driver.BudgetExceededError`.
 
     Under a limit, a tensor's or KV cache's commit or wake claims its whole
-    size at once (:meth:`BudgetDriver.prepaid`), so it waits holding nothing. Under
-    a pool the handles claim one by one, and a waiting commit holds those
-    it has made while it waits for the next.
+    size at once (:meth:`BudgetDriver.prepaid`), so it waits holding
+    nothing; under a pool, what its idle handles will not serve.
 
     ``timeout_s`` is an int or a float, at least 0; ``float("inf")`` waits
     as long as it takes.
@@ -119,6 +119,24 @@ class BudgetDriver(DriverAdaptor):
         """``device``'s ledger once a claim has opened it, else None (calls
         no driver, makes no file)."""
         return self._ledgers.get(device)
+
+    def reserving(
+        self, device: int, size: int, *, credit: int = 0
+    ) -> AbstractContextManager[object]:
+        """The protocol's hold for a piece of work: under a limit, an
+        account (:meth:`prepaid`); without one a claim can neither fail nor
+        wait, so the creates claim one by one and the work costs no more."""
+        below = self.inner.reserving(device, size, credit=credit)
+        if not self.ledger(device).limited:
+            return below
+        stack = ExitStack()
+        try:
+            stack.enter_context(self.prepaid(device, size, credit=credit))
+            stack.enter_context(below)
+        except BaseException:
+            stack.close()
+            raise
+        return stack
 
     @contextmanager
     def prepaid(self, device: int, size: int, *, credit: int = 0) -> Iterator[None]:
@@ -249,19 +267,6 @@ class BudgetDriver(DriverAdaptor):
 def find_budget(driver: object) -> BudgetDriver | None:
     """The first :class:`BudgetDriver` in ``driver``'s adaptor chain, if any."""
     while driver is not None:
-        if isinstance(driver, BudgetDriver):
-            return driver
-        driver = getattr(driver, "inner", None)
-    return None
-
-
-def prepaying_budget(driver: object) -> BudgetDriver | None:
-    """The :class:`BudgetDriver` a commit through ``driver`` may prepay, or
-    None: none in the chain, or a pool above it, whose idle handles (claimed
-    already) may serve the commit, so that prepaying would claim twice."""
-    while driver is not None:
-        if isinstance(driver, PoolingDriver):
-            return None
         if isinstance(driver, BudgetDriver):
             return driver
         driver = getattr(driver, "inner", None)
