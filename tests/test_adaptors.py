@@ -1,17 +1,23 @@
-"""StatisticsDriver and FaultInjectingDriver keep the protocol and say what happened."""
+"""StatisticsDriver and FaultInjectingDriver keep the protocol and say what
+happened; the adaptor calls pass through any stack to the adaptor that reads them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from extensible_kv.driver import (
     DRIVER_CALLS,
+    BudgetDriver,
     Driver,
     DriverError,
     FaultInjectingDriver,
     LiveUsage,
     OutOfMemoryError,
+    PoolingDriver,
     StatisticsDriver,
+    backend,
     get_driver,
 )
 
@@ -119,3 +125,31 @@ def test_fail_at_rejects_unknown_calls_and_counts() -> None:
         faulty.fail_at("cuMemCreate")
     with pytest.raises(ValueError, match="from 1"):
         faulty.fail_at("map", nth=0)
+
+
+def test_the_adaptor_calls_reach_the_adaptor_that_reads_them_through_any_stack(
+    tmp_path: Path,
+) -> None:
+    """What the layers above ask of adaptors (ADAPTOR_CALLS) passes through
+    adaptors that do not read it, to the one that does; a backend answers
+    as having nothing of the kind."""
+    host = backend("cpu")
+    g = host.granularity(0, False)
+    assert (host.accounting(0), host.release_idle()) == (None, 0)
+    with pytest.raises(ValueError, match="fills a PoolingDriver"):
+        host.create_ahead(g, 0, 0, False)
+    budget = BudgetDriver(host, state_dir=tmp_path)
+    pool = PoolingDriver(budget, cap_bytes=4 * g)
+    stack = StatisticsDriver(FaultInjectingDriver(pool))
+    assert stack.accounting(0) is None, "no claim has opened the ledger yet"
+    assert stack.create_ahead(g, 3, 0, False) == 3
+    assert pool.idle_bytes == 3 * g
+    assert stack.accounting(0) == (host.device_uuid(0), str(tmp_path))
+    budget.ledger(0).set_limit(4 * g)
+    with stack.reserving(0, 3 * g):
+        assert budget.ledger(0).held == 3 * g, "the idle handles serve it: nothing more held"
+    with stack.reserving(0, 4 * g):
+        assert budget.ledger(0).held == 4 * g, "what they do not serve is claimed"
+    assert budget.ledger(0).held == 3 * g
+    assert stack.release_idle() == 3 * g
+    assert (pool.idle_bytes, budget.ledger(0).held) == (0, 0)

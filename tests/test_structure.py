@@ -15,7 +15,7 @@ MAX_LINES = 500
 EXEMPT = ("cli.py", "bench/")
 #: Modules over MAX_LINES, each with the most lines it may keep until split.
 LONG_MODULES = {
-    "tensor.py": 975,
+    "tensor.py": 963,
     "buffer.py": 920,
     "integrations/vllm.py": 766,
     "kv/buffers.py": 789,

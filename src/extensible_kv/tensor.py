@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from extensible_kv._checks import check_bool, check_bytes, check_int
-from extensible_kv.budget.adaptor import find_budget
-from extensible_kv.budget.publish import register_cache
+from extensible_kv.budget.publish import cache_figures, register_cache
 from extensible_kv.buffer import (
     Remap,
     Staging,
@@ -637,20 +636,9 @@ def published_figures(
     tensor: ExtensibleTensor, kind: str, **figures: object
 ) -> dict[str, Any] | None:
     """What ``extensible-kv top`` shows of a cache whose memory ``tensor``
-    holds (or the first of its tensors): ``kind``, the device and where it
-    claims from, then ``figures``; None while its driver has no budget or
-    it has claimed nothing yet (calls no driver)."""
-    budget = find_budget(tensor.buffer.driver)
-    ledger = None if budget is None else budget.known_ledger(tensor.buffer.device)
-    if ledger is None:
-        return None
-    return {
-        "kind": kind,
-        "device": str(tensor.device),
-        "device_uuid": ledger.device,
-        "state_dir": str(ledger.state_dir),
-        **figures,
-    }
+    holds (or the first of its tensors): see :func:`~extensible_kv.budget.publish.cache_figures`."""
+    buffer = tensor.buffer
+    return cache_figures(buffer.driver, buffer.device, str(tensor.device), kind, **figures)
 
 
 def _published(tensor: ExtensibleTensor) -> dict[str, Any] | None:

@@ -120,6 +120,11 @@ class BudgetDriver(DriverAdaptor):
         no driver, makes no file)."""
         return self._ledgers.get(device)
 
+    def accounting(self, device: int) -> tuple[str, str] | None:
+        """The protocol's answer: ``device``'s ledger, once opened."""
+        ledger = self._ledgers.get(device)
+        return None if ledger is None else (ledger.device, str(ledger.state_dir))
+
     def reserving(
         self, device: int, size: int, *, credit: int = 0
     ) -> AbstractContextManager[object]:
@@ -262,15 +267,6 @@ class BudgetDriver(DriverAdaptor):
     def _touch(self) -> None:
         if self._publisher is not None:
             self._publisher.touch()
-
-
-def find_budget(driver: object) -> BudgetDriver | None:
-    """The first :class:`BudgetDriver` in ``driver``'s adaptor chain, if any."""
-    while driver is not None:
-        if isinstance(driver, BudgetDriver):
-            return driver
-        driver = getattr(driver, "inner", None)
-    return None
 
 
 _instances: weakref.WeakSet[BudgetDriver] = weakref.WeakSet()

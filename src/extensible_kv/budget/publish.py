@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from extensible_kv.budget.liveness import command_line, this_process
+from extensible_kv.driver.protocol import Driver
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,26 @@ def register_cache(owner: object, figures: Figures) -> None:
     """Publish ``figures(owner)`` while ``owner`` lives (kept weakly)."""
     _caches[next(_ids)] = (weakref.ref(owner), figures)
     touch_all()
+
+
+def cache_figures(
+    driver: Driver, ordinal: int, device: str, kind: str, **figures: object
+) -> dict[str, Any] | None:
+    """What ``extensible-kv top`` shows of a cache whose memory ``driver``
+    creates on device ``ordinal`` (``device`` as torch names it): ``kind``,
+    the device and where it claims from, then ``figures``; None while the
+    driver stack has no budget or has claimed nothing yet (calls no driver)."""
+    accounting = driver.accounting(ordinal)
+    if accounting is None:
+        return None
+    device_uuid, where = accounting
+    return {
+        "kind": kind,
+        "device": device,
+        "device_uuid": device_uuid,
+        "state_dir": where,
+        **figures,
+    }
 
 
 def all_figures(state_dir: Path) -> list[dict[str, Any]]:

@@ -136,6 +136,9 @@ class DriverAdaptor:
     def create_ahead(self, size: int, count: int, device: int, shareable: bool) -> int:
         return self.inner.create_ahead(size, count, device, shareable)
 
+    def accounting(self, device: int) -> tuple[str, str] | None:
+        return self.inner.accounting(device)
+
 
 @dataclass
 class CallStats:

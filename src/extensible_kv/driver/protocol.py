@@ -28,9 +28,10 @@ DRIVER_CALLS: tuple[str, ...] = (
 
 #: The calls through which the layers above reach what adaptors do for them
 #: (hold a budget for a piece of work, give back memory kept for reuse,
-#: create ahead): each adaptor forwards them and interprets them for itself,
-#: so nothing above the driver needs to know which adaptors are stacked.
-ADAPTOR_CALLS: tuple[str, ...] = ("reserving", "release_idle", "create_ahead")
+#: create ahead, say where memory is accounted): each adaptor forwards them
+#: and interprets them for itself, so nothing above the driver needs to know
+#: which adaptors are stacked.
+ADAPTOR_CALLS: tuple[str, ...] = ("reserving", "release_idle", "create_ahead", "accounting")
 
 
 @runtime_checkable
@@ -184,10 +185,18 @@ class Driver(Protocol):
         without a pool it raises :class:`ValueError` saying so."""
         ...
 
+    def accounting(self, device: int) -> tuple[str, str] | None:
+        """Where the memory created on ``device`` is claimed: the device's
+        name in every process and the budget's state directory, once a
+        claim has opened its ledger; None before, or with no budget in the
+        stack. Calls no driver: ``extensible-kv top``'s figures ask it."""
+        ...
+
 
 class Backend:
     """How a backend answers :data:`ADAPTOR_CALLS`: it holds nothing for a
-    piece of work, keeps no memory idle and cannot create ahead."""
+    piece of work, keeps no memory idle, cannot create ahead and claims
+    from no budget."""
 
     def reserving(
         self, device: int, size: int, *, credit: int = 0
@@ -202,3 +211,6 @@ class Backend:
             f"reserve_ahead() fills a PoolingDriver, and the driver {self!r} has none: "
             f"create the tensor with driver=PoolingDriver(get_driver(device), cap_bytes=...)"
         )
+
+    def accounting(self, device: int) -> tuple[str, str] | None:
+        return None
