@@ -84,7 +84,7 @@ def test_host_memory_goes_back_after_wake_unless_kept(stats: StatisticsDriver) -
     assert cache.host_backup_bytes == 192 * MiB
     kept = cache._spare
     cache.release_physical(preserve=True)
-    assert cache._backup is kept, "a kept copy is reused by the next sleep"
+    assert cache._sleep.backup is kept, "a kept copy is reused by the next sleep"
     cache.recommit()
     cache.free()
 

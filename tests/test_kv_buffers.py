@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 
 from extensible_kv import DriverError, ExtensibleTensor, FaultInjectingDriver, StatisticsDriver
 from extensible_kv.driver import Driver, LiveUsage
-from extensible_kv.kv import ExtensibleKVCacheBuffers, KVCacheBuffers
+from extensible_kv.kv import ExtensibleKVCacheBuffers, KVCacheBuffers, SleepState
 from extensible_kv.tensor import in_one_chunk_per_segment
 from faults import Fault, attempt, fault_strategy
 
@@ -111,6 +111,49 @@ def test_sleep_and_wake(stats: StatisticsDriver, device: str) -> None:
         view[:100].fill_(3)
     cache.recommit()
     assert cache.num_blocks_committed == 20
+    cache.free()
+
+
+def test_the_state_names_each_step_of_the_sleep_cycle(stats: StatisticsDriver, device: str) -> None:
+    cache = make_cache(device, stats)
+    cache.commit(20)
+    assert cache.state is SleepState.AWAKE
+    cache.release_physical(preserve=True)
+    assert (cache.state, cache.released) == (SleepState.ASLEEP_PRESERVED, True)
+    cache.release_physical()
+    assert cache.state is SleepState.ASLEEP_DISCARDED, "a discarding sleep drops the copy"
+    cache.commit(4)
+    assert (cache.state, cache.released) == (SleepState.PARTLY_AWAKE, False)
+    assert cache.num_blocks_committed == 4
+    cache.release_physical(preserve=True)
+    assert cache.state is SleepState.ASLEEP_PRESERVED
+    cache.recommit()
+    assert (cache.state, cache.num_blocks_committed) == (SleepState.AWAKE, 20)
+    assert "awake" in repr(cache)
+    cache.free()
+
+
+@pytest.mark.parametrize("start", ["awake", "asleep", "asleep with a copy", "partly awake"])
+def test_clear_forgets_every_block_from_any_state(
+    stats: StatisticsDriver, device: str, start: str
+) -> None:
+    cache = make_cache(device, stats)
+    cache.commit(20)
+    for buffer, _ in cache.buffers:
+        buffer.full_view()[:100].fill_(7)
+    if start != "awake":
+        cache.release_physical(preserve=start == "asleep with a copy")
+    if start == "partly awake":
+        cache.commit(4)
+    cache.clear()
+    assert cache.state is SleepState.AWAKE
+    assert (cache.num_blocks_committed, cache.physical_bytes, cache.host_backup_bytes) == (0, 0, 0)
+    assert stats.live.handles == 0
+    cache.recommit()
+    assert cache.num_blocks_committed == 0, "nothing to grow back to"
+    cache.commit(20)
+    for buffer, _ in cache.buffers:
+        assert int(buffer.full_view()[:100].count_nonzero()) == 0
     cache.free()
 
 

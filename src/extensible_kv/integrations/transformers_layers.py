@@ -113,14 +113,7 @@ class Lockstep:
         """Give every position's memory back; during a preserving sleep,
         drop the host copy too, so that nothing old comes back."""
         self.check_alive()
-        if self.buffers.released:
-            # A discarding release while asleep drops the host copy without
-            # restoring it; then a commit of nothing wakes the buffers with
-            # no memory, and the trim below cancels the count a later
-            # recommit() would grow them back to.
-            self.buffers.release_physical()
-            self.buffers.commit(0)
-        self.buffers.trim(0)
+        self.buffers.clear()
 
     def release_idle(self) -> None:
         """Give back the memory the buffers' driver stacks keep idle for reuse."""

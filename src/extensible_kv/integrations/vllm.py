@@ -325,7 +325,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         elif growth == "elastic":
             # Memory follows the scheduler's orders (execute_model), in
             # units of granules, not as the prefix the allocation committed.
-            buffers.trim(0)
+            buffers.clear()
             self._elastic = ElasticBlocks(buffers, num_blocks)
             self._elastic.start()
         else:
@@ -366,7 +366,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             )
         self._provisional = False
         # Warm-up wrote into its blocks; vLLM's cache starts as zeros.
-        self._kv.buffers.trim(0)
+        self._kv.buffers.clear()
         self._commit_and_hand_over(dataclasses.replace(layout, num_blocks=num_blocks))
         logger.info(
             "extensible-kv: %d blocks committed after warm-up, under the same addresses",

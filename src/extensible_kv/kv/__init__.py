@@ -9,12 +9,12 @@ from extensible_kv.kv.allocate import (
 )
 from extensible_kv.kv.backup import HostBackup
 from extensible_kv.kv.buffers import (
-    CommitTicket,
     ConnectorRegistrationWarning,
     ExtensibleKVCacheBuffers,
     KVCacheBuffers,
 )
 from extensible_kv.kv.builder import ExtensibleKVCacheBuilder
+from extensible_kv.kv.commit_ticket import CommitTicket
 from extensible_kv.kv.growth import OnDemandGrowth
 from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
 from extensible_kv.kv.ranks import agree_num_blocks
@@ -31,6 +31,7 @@ from extensible_kv.kv.sizing import (
     MemorySnapshot,
     size_kv_cache,
 )
+from extensible_kv.kv.sleep import SleepState
 from extensible_kv.kv.spec import (
     AttentionBackend,
     AttentionSpec,
@@ -69,6 +70,7 @@ __all__ = [
     "MambaSpec",
     "MemorySnapshot",
     "OnDemandGrowth",
+    "SleepState",
     "StridedKVCacheTensor",
     "WarmupMeter",
     "agree_num_blocks",

@@ -9,7 +9,6 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -19,6 +18,8 @@ from extensible_kv.budget.publish import register_cache
 from extensible_kv.buffer import synchronize_buffers
 from extensible_kv.driver.ahead import create_ahead_in_background
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
+from extensible_kv.kv.commit_ticket import CommitTicket
+from extensible_kv.kv.sleep import Sleep, SleepState
 from extensible_kv.tensor import (
     ExtensibleTensor,
     claimed_at_once,
@@ -87,26 +88,6 @@ class ConnectorRegistrationWarning(UserWarning):
     must register the views again after :meth:`KVCacheBuffers.recommit`."""
 
 
-@dataclass(frozen=True)
-class CommitTicket:
-    """The outcome of :meth:`KVCacheBuffers.commit_async`.
-
-    ``event`` (GPU only) is recorded after the zeroing of the new blocks, on
-    the cache's commit stream on ``device``; :meth:`wait` makes a stream
-    wait for it.
-    """
-
-    num_blocks: int
-    event: torch.cuda.Event | None
-    device: torch.device
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current stream of the cache's device,
-        not of the current device) wait for the zeroing."""
-        if self.event is not None:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(self.event)
-
-
 class KVCacheBuffers:
     """The physical backing of a KV cache: one :class:`ExtensibleTensor` per
     cache tensor, each holding ``num_blocks`` blocks of
@@ -131,13 +112,9 @@ class KVCacheBuffers:
         self.num_blocks_capacity = num_blocks_capacity
         self.buffers: list[tuple[ExtensibleTensor, int]] = []
         self._committed = 0
-        self._asleep_at: int | None = None
-        # The count the next recommit() grows to, when a commit woke the
-        # cache partly (a commit while released).
-        self._wake_to: int | None = None
+        self._sleep = Sleep()
         self._registered: list[str] = []
-        self._backup: HostBackup | None = None
-        self._spare: HostBackup | None = None
+        self._spare: HostBackup | None = None  # kept by a wake for the next sleep
         self._lock = threading.RLock()
         self._queue: ThreadPoolExecutor | None = None
         self._queued: Future[CommitTicket] | None = None
@@ -152,10 +129,10 @@ class KVCacheBuffers:
         register_cache(self, _published)
 
     def __repr__(self) -> str:
-        state = f"released from {self._asleep_at}" if self.released else "awake"
         return (
             f"KVCacheBuffers({len(self.buffers)} buffers, {self._committed}/"
-            f"{self.num_blocks_capacity} blocks, {self.physical_bytes} physical bytes, {state})"
+            f"{self.num_blocks_capacity} blocks, {self.physical_bytes} physical bytes, "
+            f"{self.state.value})"
         )
 
     def _check_buffer(self, buffer: ExtensibleTensor, bytes_per_block: int) -> None:
@@ -189,8 +166,14 @@ class KVCacheBuffers:
 
     @property
     def released(self) -> bool:
-        """True between :meth:`release_physical` and :meth:`recommit`."""
-        return self._asleep_at is not None
+        """True while asleep: between :meth:`release_physical` and :meth:`recommit`."""
+        return self._sleep.asleep
+
+    @property
+    def state(self) -> SleepState:
+        """Awake, asleep (contents discarded or kept), or partly awake (a
+        commit while asleep woke some blocks; :meth:`recommit` grows back)."""
+        return self._sleep.state
 
     @property
     def bytes_per_block(self) -> int:
@@ -386,40 +369,39 @@ class KVCacheBuffers:
                 self._check_unregistered("a defragmenting commit")
         elif num_blocks > self._committed:
             self._check_unregistered(f"growing to {num_blocks} blocks")
-        if self._asleep_at is not None:
+        if self._sleep.asleep:
             self._wake_for_commit(num_blocks, defragment)
             return
         if defragment:
             self._remap(num_blocks)
-            self._wake_to = None
+            self._sleep = Sleep()
         elif num_blocks > self._committed:
             self._grow(num_blocks)
 
     def _wake_for_commit(self, num_blocks: int, defragment: bool) -> None:
         """A commit while released: restore a host copy whole, else commit
         only what was asked and leave the rest to :meth:`recommit`."""
-        asleep_at = self._asleep_at
-        assert asleep_at is not None
-        if self._backup is not None:
+        sleep = self._sleep
+        assert sleep.asleep_at is not None
+        if sleep.backup is not None:
             # Restore and growth claim their memory together: a refusal comes
             # before either, and leaves the cache asleep with its copy.
-            with self._claimed(max(num_blocks, asleep_at)):
+            with self._claimed(max(num_blocks, sleep.asleep_at)):
                 self._recommit(keep_host_memory=False, staging_bytes=DEFAULT_STAGING_BYTES)
                 self._commit(num_blocks, defragment)
             return
-        self._asleep_at = None
+        self._sleep = sleep.woken()
         try:
             if defragment:
                 self._remap(num_blocks)
             else:
                 self._grow(num_blocks)
         except BaseException:
-            if not any(buffer.physical_bytes for buffer, _ in self.buffers):
-                self._asleep_at = asleep_at  # nothing committed: still asleep
-                raise
-            self._wake_to = max(self._wake_to or 0, asleep_at)
+            # Nothing committed: still asleep.
+            committed = any(buffer.physical_bytes for buffer, _ in self.buffers)
+            self._sleep = sleep.partly_woken() if committed else sleep
             raise
-        self._wake_to = None if defragment else max(self._wake_to or 0, asleep_at)
+        self._sleep = Sleep() if defragment else sleep.partly_woken()
 
     def _remap(self, num_blocks: int) -> None:
         """Hold exactly ``num_blocks`` blocks, one chunk per segment, zeroed;
@@ -474,6 +456,9 @@ class KVCacheBuffers:
         full or lowered limit if it must (docs/budget.md), since the trim
         ends holding less.
         """
+        self._trim(num_blocks)
+
+    def _trim(self, num_blocks: int) -> None:
         self._check_awake("trim()")
         self._check_unregistered("trim()")
         check_int("num_blocks", num_blocks)
@@ -489,7 +474,22 @@ class KVCacheBuffers:
         finally:
             if all(b.bytes_per_segment == num_blocks * per_block for b, per_block in self.buffers):
                 self._committed = num_blocks
-                self._wake_to = None
+                self._sleep = Sleep()
+
+    @_serialized
+    def clear(self) -> None:
+        """Forget every block, from any state: awake after, with no block, no
+        memory and no host copy (a cache forgetting its tokens; blocks that
+        warm-up wrote, to be handed out as zeros). Refused while registered."""
+        self._check_alive("clear()")
+        self._check_unregistered("clear()")
+        if not self._sleep.asleep:
+            self._trim(0)
+            return
+        release_physical_all([buffer for buffer, _ in self.buffers])
+        if self._sleep.backup is not None:
+            self._sleep.backup.free()
+        self._sleep = Sleep()
 
     @_serialized
     def defragment(self, preserve: bool = True) -> None:
@@ -611,33 +611,33 @@ class KVCacheBuffers:
         self._check_alive("release_physical()")
         if not preserve:
             self._check_unregistered("a discarding release_physical()")
-            if self._backup is not None:
+            if self._sleep.backup is not None:
                 # Asleep with a host copy: a discarding sleep forgets it, so
                 # that the wake does not restore what was to be discarded.
-                self._backup.free()
-                self._backup = None
-        if self._asleep_at is None and preserve:
+                self._sleep.backup.free()
+                self._sleep = self._sleep.without_backup()
+        backup = None
+        if not self._sleep.asleep and preserve:
             # Writers on any stream (an engine's side streams, the zeroing
             # of commit_async) must be done before the copy reads the blocks.
             synchronize_buffers(buffer.buffer for buffer, _ in self.buffers)
-            self._backup = HostBackup.capture(
+            backup = HostBackup.capture(
                 self._regions(self._committed), staging_bytes=staging_bytes, reuse=self._spare
             )
             self._spare = None
-        committed = self._committed if self._asleep_at is None else self._asleep_at
         try:
             # Called again while asleep, this still releases any handle a
             # failed release left behind.
             release_physical_all([buffer for buffer, _ in self.buffers])
         except BaseException:
-            if self._asleep_at is None and any(b.physical_bytes for b, _ in self.buffers):
-                self._drop_backup()
+            if not self._sleep.asleep and any(b.physical_bytes for b, _ in self.buffers):
+                self._drop_backup(backup)
             raise
         finally:
             # Unmapping is all or nothing; if it happened, the cache sleeps
             # even when releasing a handle failed (a second call retries it).
             if all(buffer.physical_bytes == 0 for buffer, _ in self.buffers):
-                self._asleep_at = committed
+                self._sleep = self._sleep.fallen_asleep(self._committed, backup)
                 self._committed = 0
                 self._drop_registrations()
 
@@ -681,32 +681,32 @@ class KVCacheBuffers:
         self._check_alive("recommit()")
         if num_blocks is not None:
             self._check_count("recommit", num_blocks)
-        asleep, partly = self._asleep_at is not None, self._wake_to is not None
-        if num_blocks is not None and asleep and self._backup is None:
+        sleep = self._sleep
+        if num_blocks is not None and sleep.state is SleepState.ASLEEP_DISCARDED:
             self._grow(num_blocks)
-            self._asleep_at = self._wake_to = None
+            self._sleep = Sleep()
             return
-        if not (asleep or partly):
+        if sleep.state is SleepState.AWAKE:
             return
-        target = self._wake_to if num_blocks is None else num_blocks
+        target = sleep.wake_to if num_blocks is None else num_blocks
         # The restore and the growth past it claim their memory together: a
         # refusal comes before either, and leaves the cache asleep with its copy.
-        with self._claimed(max(target or 0, self._asleep_at or 0)):
+        with self._claimed(max(target or 0, sleep.asleep_at or 0)):
             self._recommit(keep_host_memory=keep_host_memory, staging_bytes=staging_bytes)
             if target is not None and target > self._committed:
                 self._grow(target)
-        self._wake_to = None
+        self._sleep = Sleep()
 
     def _recommit(self, *, keep_host_memory: bool, staging_bytes: int) -> None:
-        if self._asleep_at is None:
+        asleep_at, backup = self._sleep.asleep_at, self._sleep.backup
+        if asleep_at is None:
             return
-        backup = self._backup
         if backup is None:
-            self._grow(self._asleep_at)
-            self._asleep_at = None
+            self._grow(asleep_at)
+            self._sleep = self._sleep.woken()
             return
-        self._restore(backup, self._asleep_at, staging_bytes)
-        self._asleep_at = self._backup = None
+        self._restore(backup, asleep_at, staging_bytes)
+        self._sleep = self._sleep.woken()
         if not keep_host_memory:
             backup.free()
             return
@@ -750,16 +750,17 @@ class KVCacheBuffers:
             [(b, max(num_blocks * per_block, b.bytes_per_segment)) for b, per_block in self.buffers]
         )
 
-    def _drop_backup(self) -> None:
-        for backup in (self._backup, self._spare):
+    def _drop_backup(self, made: HostBackup | None = None) -> None:
+        """Free the sleep's host copy, the kept one, and ``made`` (a failed sleep's)."""
+        for backup in (self._sleep.backup, self._spare, made):
             if backup is not None:
                 backup.free()
-        self._backup = self._spare = None
+        self._sleep, self._spare = self._sleep.without_backup(), None
 
     @property
     def host_backup_bytes(self) -> int:
         """Host memory held for a preserving sleep (while asleep, or kept)."""
-        return sum(b.nbytes for b in (self._backup, self._spare) if b is not None)
+        return sum(b.nbytes for b in (self._sleep.backup, self._spare) if b is not None)
 
     def free(self) -> None:
         """Return all memory and, once their views are gone, the address ranges.
@@ -779,10 +780,9 @@ class KVCacheBuffers:
                 buffer.free()
             self.buffers = []
             self._committed = 0
-            self._asleep_at = None
-            self._wake_to = None
             self._registered.clear()
             self._drop_backup()
+            self._sleep = Sleep()
 
 
 #: vLLM's in-tree name.
