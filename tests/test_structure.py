@@ -16,7 +16,7 @@ EXEMPT = ("cli.py", "bench/")
 #: Modules over MAX_LINES, each with the most lines it may keep until split.
 LONG_MODULES = {
     "tensor.py": 963,
-    "buffer.py": 920,
+    "buffer/virtual.py": 627,
     "integrations/vllm.py": 766,
     "kv/buffers.py": 789,
 }

@@ -9,63 +9,22 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from extensible_kv._checks import check_bytes, check_int, round_up
-from extensible_kv.driver import Driver, OutOfMemoryError
+from extensible_kv.buffer.chunks import Chunk, Remap, Span, Staging, runs_of_chunks
+from extensible_kv.buffer.group import (
+    commit_together,
+    defragment_together,
+    release_outside_together,
+    release_together,
+    synchronize_buffers,
+)
+from extensible_kv.driver import Driver
 from extensible_kv.intervals import IntervalSet
 
+__all__ = ["VirtualBuffer"]
+
 logger = logging.getLogger(__name__)
-
-
-_Span = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One physical allocation mapped into the buffer.
-
-    ``offset`` and ``size`` are bytes from the buffer's base pointer, both
-    granule multiples; ``handle`` is the driver's handle, owned by the buffer.
-    """
-
-    offset: int
-    size: int
-    handle: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.size
-
-
-@dataclass(frozen=True)
-class Remap:
-    """Chunks ``old``, covering ``[start, end)``, to be replaced by one chunk
-    per run of ``runs`` (``(offset, size)``, inside ``[start, end)``)."""
-
-    old: tuple[Chunk, ...]
-    start: int
-    end: int
-    runs: tuple[_Span, ...]
-
-
-@dataclass(frozen=True)
-class Staging:
-    """The new chunks of some remaps of one buffer, mapped and accessible in
-    a scratch buffer of their own, waiting to be filled and swapped in.
-
-    ``places`` holds, per new chunk, ``(offset, size, scratch_offset)``: its
-    offset in the target buffer, its size and its offset in ``scratch``.
-    """
-
-    scratch: VirtualBuffer
-    remaps: tuple[Remap, ...]
-    places: tuple[tuple[int, int, int], ...]
-
-    def discard(self) -> None:
-        """Give the staged memory back without swapping it in."""
-        self.scratch.free_quietly()
 
 
 class VirtualBuffer:
@@ -141,7 +100,7 @@ class VirtualBuffer:
         self._chunk_offsets: list[int] = []
         self._mapped = IntervalSet()
         self._unreleased: list[int] = []
-        self._stranded: list[_Span] = []
+        self._stranded: list[Span] = []
         #: Scratch buffers of a remap whose free failed, freed by the next call.
         self._leftovers: list[VirtualBuffer] = []
         self._views = 0
@@ -260,7 +219,7 @@ class VirtualBuffer:
         pairs), as ``(start, end)`` byte offsets; validates, changes nothing."""
         return list(self._widened(ranges))
 
-    def _plan(self, ranges: Iterable[tuple[int, int]], whole_runs: bool) -> list[list[_Span]]:
+    def _plan(self, ranges: Iterable[tuple[int, int]], whole_runs: bool) -> list[list[Span]]:
         """The chunks a commit of ``ranges`` maps: per run of unmapped granules,
         its chunks as ``(offset, size)``. Validates; changes nothing."""
         self._check_usable()
@@ -279,7 +238,7 @@ class VirtualBuffer:
         with self._lock:
             return [size for run in self._plan(ranges, False) for _, size in run]
 
-    def _map_chunks(self, plan: list[list[_Span]]) -> list[Chunk]:
+    def _map_chunks(self, plan: list[list[Span]]) -> list[Chunk]:
         """Create and map every chunk of ``plan``, granting access once per run.
 
         All or nothing: on error what this call made is undone.
@@ -309,6 +268,11 @@ class VirtualBuffer:
             self.driver.release(handle)
             raise
         return Chunk(offset, size, handle)
+
+    def _unmake(self, chunks: Sequence[Chunk]) -> None:
+        """Undo a commit of ``chunks``: forget, unmap and release them."""
+        self._remove(chunks)
+        self._unmap_and_release(chunks)
 
     def _unmap_and_release(self, chunks: Sequence[Chunk]) -> None:
         """Undo chunks just made, that no kernel can have used yet."""
@@ -424,7 +388,7 @@ class VirtualBuffer:
                 with self._context():
                     for offset, size, fd in chunks:
                         made.append(self._map_new(offset, size, self.driver.import_handle(fd)))
-                    for run in _runs_of_chunks(sorted(made, key=lambda c: c.offset)):
+                    for run in runs_of_chunks(sorted(made, key=lambda c: c.offset)):
                         start, end = run[0].offset, run[-1].end
                         self.driver.set_access(self.base_ptr + start, end - start, self.device)
             except BaseException:
@@ -445,7 +409,7 @@ class VirtualBuffer:
         with self._lock:
             self._check_usable()
             needed = self._widened(list(keep))
-            groups = _runs_of_chunks(self._chunks) if merge else [[c] for c in self._chunks]
+            groups = runs_of_chunks(self._chunks) if merge else [[c] for c in self._chunks]
             plans = []
             for group in groups:
                 start, end = group[0].offset, group[-1].end
@@ -638,263 +602,6 @@ class VirtualBuffer:
                     logger.exception("returning the address range of %r failed", self)
 
 
-def contexts_of(buffers: Iterable[VirtualBuffer]) -> contextlib.ExitStack:
-    """Enter the device context of every buffer (see ``VirtualBuffer._context``)."""
-    stack = contextlib.ExitStack()
-    with stack:
-        for buffer in buffers:
-            stack.enter_context(buffer._context())
-        return stack.pop_all()
-
-
-def hold_locks(buffers: Iterable[VirtualBuffer]) -> contextlib.AbstractContextManager[Any]:
-    """Hold the locks of ``buffers``, taken in one global order, so that
-    threads locking overlapping sets of buffers cannot deadlock. Reentrant."""
-    unique = sorted(set(buffers), key=id)
-    if len(unique) == 1:
-        # The common case, on every single-buffer call: the lock itself.
-        return unique[0]._lock
-    return _Locks(unique)
-
-
-class _Locks(contextlib.ExitStack):
-    def __init__(self, buffers: list[VirtualBuffer]) -> None:
-        super().__init__()
-        self._buffers = buffers
-
-    def __enter__(self) -> _Locks:
-        super().__enter__()
-        for buffer in self._buffers:
-            self.enter_context(buffer._lock)
-        return self
-
-
-def commit_together(
-    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]], *, whole_runs: bool = False
-) -> list[list[tuple[int, int]]]:
-    """Commit ranges in several buffers, all or nothing.
-
-    ``requests`` pairs each buffer with its ``(offset, size)`` ranges. If any
-    driver call fails, every buffer is left as it was. Returns, per request,
-    the newly mapped runs as ``(offset, size)``. With ``whole_runs`` each run
-    of new granules is one chunk, whatever the buffers' ``chunk_bytes``.
-    """
-    requests = [(buffer, list(ranges)) for buffer, ranges in requests]
-    with hold_locks(buffer for buffer, _ in requests):
-        plans = [buffer._plan(ranges, whole_runs) for buffer, ranges in requests]
-        work = [(buffer, plan) for (buffer, _), plan in zip(requests, plans, strict=True) if plan]
-        made: list[tuple[VirtualBuffer, list[Chunk]]] = []
-        with contexts_of(buffer for buffer, _ in work):
-            try:
-                for buffer, plan in work:
-                    buffer._release_unreleased()
-                    made.append((buffer, buffer._map_chunks(plan)))
-            except BaseException:
-                for buffer, chunks in reversed(made):
-                    buffer._remove(chunks)
-                    buffer._unmap_and_release(chunks)
-                raise
-        return [[(run[0][0], sum(size for _, size in run)) for run in plan] for plan in plans]
-
-
-def release_together(buffers: Sequence[VirtualBuffer], *, idle: bool = False) -> int:
-    """Release all physical memory of several buffers; freed buffers are skipped.
-
-    Unmapping is all or nothing across the buffers: if one unmap fails, every
-    chunk unmapped so far is mapped back, contents intact. Then the handles
-    are released; one whose release fails is kept, and released by the next
-    call that changes its buffer. With ``idle`` (a sleep), the memory the
-    buffers' driver stacks keep idle for reuse goes back too
-    (:meth:`~extensible_kv.driver.Driver.release_idle`), so every byte goes
-    back to the driver. Returns the bytes released by the buffers.
-    """
-    with hold_locks(buffers):
-        released = _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
-        if idle:
-            for driver in {id(b.driver): b.driver for b in buffers}.values():
-                driver.release_idle()
-        return released
-
-
-def release_outside_together(
-    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]],
-    *,
-    synchronized: bool = False,
-) -> int:
-    """:meth:`VirtualBuffer.release_outside` on several buffers, unmapping
-    all or nothing across them. With ``synchronized`` the caller has just
-    synchronized their devices (:func:`synchronize_buffers`). Returns the
-    bytes released."""
-    with hold_locks(buffer for buffer, _ in requests):
-        doomed = [(buffer, buffer._outside(keep)) for buffer, keep in requests]
-        return _release_chunks(doomed, synchronized=synchronized)
-
-
-def swap_in_together(
-    requests: Sequence[tuple[VirtualBuffer, Staging]],
-    *,
-    doomed: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]] = (),
-) -> None:
-    """Replace old chunks by staged ones in several buffers, and unmap the
-    ``doomed`` chunks, all or nothing across them; then release the old
-    and doomed handles and free the scratch reservations.
-
-    The memory moves with its contents (nothing is copied here). The caller
-    has synchronized the devices since filling the staged chunks
-    (:func:`synchronize_buffers`): unmapping does not wait for kernels. If
-    a swap or an unmap fails, every buffer is as it was and the stagings
-    are discarded. Past that point the operation is done: a handle or a
-    scratch reservation that cannot be returned is kept for a later call,
-    and the first such error propagates.
-    """
-    buffers = [b for b, _ in requests] + [b for b, chunks in doomed if chunks or b._owes]
-    scratches = [staging.scratch for _, staging in requests]
-    with hold_locks([*buffers, *scratches]), contexts_of([*buffers, *scratches]):
-        for buffer in buffers:
-            buffer._check_usable()
-        swapped: list[tuple[VirtualBuffer, Staging, list[tuple[Chunk, Chunk]]]] = []
-        detached: list[tuple[VirtualBuffer, Sequence[Chunk]]] = []
-        try:
-            for buffer, staging in requests:
-                swapped.append((buffer, staging, buffer._swap(staging)))
-            for buffer, chunks in doomed:
-                buffer._detach(chunks)
-                detached.append((buffer, chunks))
-        except BaseException:
-            for buffer, chunks in reversed(detached):
-                buffer._reattach(chunks)
-            for buffer, staging, moved in reversed(swapped):
-                buffer._unswap(staging, moved)
-            for _, staging in requests:
-                staging.discard()
-            raise
-        errors: list[Exception] = []
-        for buffer in buffers:
-            try:
-                buffer._release_unreleased()
-            except Exception as exc:
-                errors.append(exc)
-        for buffer, staging in requests:
-            try:
-                staging.scratch.free()
-            except Exception as exc:
-                errors.append(exc)
-                buffer._leftovers.append(staging.scratch)
-    if errors:
-        raise errors[0]
-
-
-def synchronize_buffers(buffers: Iterable[VirtualBuffer]) -> None:
-    """Wait until no work queued on the devices of ``buffers`` can still
-    touch them: for the whole device, or for the streams the buffers name
-    (:attr:`VirtualBuffer.wait_streams`), once per device.
-
-    Unmapping does not wait for kernels still reading the memory, and a copy
-    issued on one stream is not ordered after writers on others: this is
-    the wait both need. One wait per device covers every buffer on it (a
-    cache has one per layer). A device where any buffer names no streams is
-    synchronized whole.
-    """
-    waits: dict[tuple[int, int], tuple[VirtualBuffer, set[int] | None]] = {}
-    for buffer in buffers:
-        key = (id(buffer.driver), buffer.device)
-        _, streams = waits.get(key, (buffer, set()))
-        if streams is not None and buffer.wait_streams is not None:
-            streams = streams | set(buffer.wait_streams)
-        else:
-            streams = None
-        waits[key] = (buffer, streams)
-    for buffer, streams in waits.values():
-        if streams is None:
-            buffer.driver.synchronize(buffer.device)
-        else:
-            buffer.driver.synchronize_streams(buffer.device, sorted(streams))
-
-
-def _release_chunks(
-    requests: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]], *, synchronized: bool = False
-) -> int:
-    if not synchronized:
-        synchronize_buffers(buffer for buffer, chunks in requests if chunks)
-    touched = [buffer for buffer, chunks in requests if chunks or buffer._owes]
-    with contexts_of(touched):
-        detached: list[tuple[VirtualBuffer, Sequence[Chunk]]] = []
-        try:
-            for buffer, chunks in requests:
-                buffer._detach(chunks)
-                detached.append((buffer, chunks))
-        except BaseException as exc:
-            for buffer, chunks in reversed(detached):
-                buffer._reattach(chunks)
-            if not isinstance(exc, OutOfMemoryError):
-                raise
-            # Unmapping keeps the memory for a rollback, and on the host that
-            # needs address space as big as the chunk: when it has run out
-            # (RLIMIT_AS), give up the rollback rather than the memory.
-            for buffer, chunks in requests:
-                buffer._discard(chunks)
-        for buffer in touched:
-            buffer._release_unreleased()
-    return sum(chunk.size for _, chunks in requests for chunk in chunks)
-
-
-def defragment_together(
-    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]],
-) -> None:
-    """Map each buffer's ranges again as one chunk per run, discarding contents.
-
-    Memory is released before the new chunks are made, so the peak is not
-    twice the cache. If making them fails, each buffer gets its previous
-    chunk layout back (zeroed: its contents were to be discarded anyway) and
-    the error propagates; a handle that cannot be released is kept for a
-    later call, the defragment done, and the error propagates. Memory that
-    connectors register must be
-    defragmented: UCX cannot transfer a region spanning several handles.
-    """
-    requests = [(buffer, list(ranges)) for buffer, ranges in requests]
-    buffers = [buffer for buffer, _ in requests]
-    with hold_locks(buffers), contexts_of(buffers):
-        for buffer, ranges in requests:
-            buffer._plan(ranges, True)
-        layouts = [_runs_of(buffer._chunks) for buffer in buffers]
-        late: BaseException | None = None
-        try:
-            release_together(buffers)
-        except BaseException as exc:
-            if any(buffer._chunks for buffer in buffers):
-                raise  # the unmapping failed: nothing changed
-            # A handle could not be released (it is kept for a retry): the
-            # memory is unmapped, so the defragment goes on.
-            late = exc
-        try:
-            commit_together(requests, whole_runs=True)
-        except BaseException:
-            for buffer, layout in zip(buffers, layouts, strict=False):
-                try:
-                    buffer._map_chunks(layout)
-                except Exception:
-                    logger.exception("restoring %r after a failed defragment failed", buffer)
-            raise
-        if late is not None:
-            raise late
-
-
-def _runs_of_chunks(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
-    """Chunks grouped into runs of adjacent ones."""
-    runs: list[list[Chunk]] = []
-    for chunk in chunks:
-        if runs and runs[-1][-1].end == chunk.offset:
-            runs[-1].append(chunk)
-        else:
-            runs.append([chunk])
-    return runs
-
-
-def _runs_of(chunks: Sequence[Chunk]) -> list[list[_Span]]:
-    """Chunks grouped into runs of adjacent ones, as a plan for _map_chunks."""
-    return [[(c.offset, c.size) for c in run] for run in _runs_of_chunks(chunks)]
-
-
 def _teardown(
     driver: Driver,
     device: int,
@@ -902,7 +609,7 @@ def _teardown(
     size: int,
     chunks: list[Chunk],
     unreleased: list[int],
-    stranded: list[_Span],
+    stranded: list[Span],
 ) -> None:
     """Return everything of a buffer garbage-collected without ``free()``."""
     try:

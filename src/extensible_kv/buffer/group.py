@@ -1,0 +1,220 @@
+"""Operations over several buffers at once, each one :class:`Transaction`:
+commit, release, release outside kept ranges, swap remapped chunks in, and
+defragment. A buffer's own methods are these over one buffer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from extensible_kv.buffer.chunks import Chunk, Span, Staging, runs_of
+from extensible_kv.buffer.txn import Transaction
+from extensible_kv.driver import OutOfMemoryError
+
+if TYPE_CHECKING:
+    from extensible_kv.buffer.virtual import VirtualBuffer
+
+__all__ = [
+    "commit_together",
+    "defragment_together",
+    "release_outside_together",
+    "release_together",
+    "swap_in_together",
+    "synchronize_buffers",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def commit_together(
+    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]], *, whole_runs: bool = False
+) -> list[list[tuple[int, int]]]:
+    """Commit ranges in several buffers, all or nothing.
+
+    ``requests`` pairs each buffer with its ``(offset, size)`` ranges. If any
+    driver call fails, every buffer is left as it was. Returns, per request,
+    the newly mapped runs as ``(offset, size)``. With ``whole_runs`` each run
+    of new granules is one chunk, whatever the buffers' ``chunk_bytes``.
+    """
+    requests = [(buffer, list(ranges)) for buffer, ranges in requests]
+    with Transaction(buffer for buffer, _ in requests) as txn:
+        plans = [buffer._plan(ranges, whole_runs) for buffer, ranges in requests]
+        work = [(buffer, plan) for (buffer, _), plan in zip(requests, plans, strict=True) if plan]
+        txn.enter_contexts(buffer for buffer, _ in work)
+        for buffer, plan in work:
+            buffer._release_unreleased()
+            txn.undo(buffer._unmake, buffer._map_chunks(plan))
+        txn.commit()
+    return [[(run[0][0], sum(size for _, size in run)) for run in plan] for plan in plans]
+
+
+def release_together(buffers: Sequence[VirtualBuffer], *, idle: bool = False) -> int:
+    """Release all physical memory of several buffers; freed buffers are skipped.
+
+    Unmapping is all or nothing across the buffers: if one unmap fails, every
+    chunk unmapped so far is mapped back, contents intact. Then the handles
+    are released; one whose release fails is kept, and released by the next
+    call that changes its buffer. With ``idle`` (a sleep), the memory the
+    buffers' driver stacks keep idle for reuse goes back too
+    (:meth:`~extensible_kv.driver.Driver.release_idle`), so every byte goes
+    back to the driver. Returns the bytes released by the buffers.
+    """
+    with Transaction(buffers):
+        released = _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
+        if idle:
+            for driver in {id(b.driver): b.driver for b in buffers}.values():
+                driver.release_idle()
+        return released
+
+
+def release_outside_together(
+    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]],
+    *,
+    synchronized: bool = False,
+) -> int:
+    """:meth:`VirtualBuffer.release_outside` on several buffers, unmapping
+    all or nothing across them. With ``synchronized`` the caller has just
+    synchronized their devices (:func:`synchronize_buffers`). Returns the
+    bytes released."""
+    with Transaction(buffer for buffer, _ in requests):
+        doomed = [(buffer, buffer._outside(keep)) for buffer, keep in requests]
+        return _release_chunks(doomed, synchronized=synchronized)
+
+
+def swap_in_together(
+    requests: Sequence[tuple[VirtualBuffer, Staging]],
+    *,
+    doomed: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]] = (),
+) -> None:
+    """Replace old chunks by staged ones in several buffers, and unmap the
+    ``doomed`` chunks, all or nothing across them; then release the old
+    and doomed handles and free the scratch reservations.
+
+    The memory moves with its contents (nothing is copied here). The caller
+    has synchronized the devices since filling the staged chunks
+    (:func:`synchronize_buffers`): unmapping does not wait for kernels. If
+    a swap or an unmap fails, every buffer is as it was and the stagings
+    are discarded. Past that point the operation is done: a handle or a
+    scratch reservation that cannot be returned is kept for a later call,
+    and the first such error propagates.
+    """
+    buffers = [b for b, _ in requests] + [b for b, chunks in doomed if chunks or b._owes]
+    scratches = [staging.scratch for _, staging in requests]
+    with Transaction([*buffers, *scratches]) as txn:
+        txn.enter_contexts([*buffers, *scratches])
+        for buffer in buffers:
+            buffer._check_usable()
+        txn.undo(_discard, [staging for _, staging in requests])
+        for buffer, staging in requests:
+            txn.undo(buffer._unswap, staging, buffer._swap(staging))
+        for buffer, chunks in doomed:
+            buffer._detach(chunks)
+            txn.undo(buffer._reattach, chunks)
+        txn.commit()
+        for buffer in buffers:
+            txn.collect(buffer._release_unreleased)
+        for buffer, staging in requests:
+            if not txn.collect(staging.scratch.free):
+                buffer._leftovers.append(staging.scratch)
+
+
+def _discard(stagings: Sequence[Staging]) -> None:
+    for staging in stagings:
+        staging.discard()
+
+
+def synchronize_buffers(buffers: Iterable[VirtualBuffer]) -> None:
+    """Wait until no work queued on the devices of ``buffers`` can still
+    touch them: for the whole device, or for the streams the buffers name
+    (:attr:`VirtualBuffer.wait_streams`), once per device.
+
+    Unmapping does not wait for kernels still reading the memory, and a copy
+    issued on one stream is not ordered after writers on others: this is
+    the wait both need. One wait per device covers every buffer on it (a
+    cache has one per layer). A device where any buffer names no streams is
+    synchronized whole.
+    """
+    waits: dict[tuple[int, int], tuple[VirtualBuffer, set[int] | None]] = {}
+    for buffer in buffers:
+        key = (id(buffer.driver), buffer.device)
+        _, streams = waits.get(key, (buffer, set()))
+        if streams is not None and buffer.wait_streams is not None:
+            streams = streams | set(buffer.wait_streams)
+        else:
+            streams = None
+        waits[key] = (buffer, streams)
+    for buffer, streams in waits.values():
+        if streams is None:
+            buffer.driver.synchronize(buffer.device)
+        else:
+            buffer.driver.synchronize_streams(buffer.device, sorted(streams))
+
+
+def _release_chunks(
+    requests: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]], *, synchronized: bool = False
+) -> int:
+    """Unmap ``requests``' chunks, all or nothing, then release their
+    handles; the caller holds the buffers' locks."""
+    if not synchronized:
+        synchronize_buffers(buffer for buffer, chunks in requests if chunks)
+    touched = [buffer for buffer, chunks in requests if chunks or buffer._owes]
+    with Transaction(touched) as txn:
+        txn.enter_contexts(touched)
+        try:
+            for buffer, chunks in requests:
+                buffer._detach(chunks)
+                txn.undo(buffer._reattach, chunks)
+        except OutOfMemoryError:
+            # Unmapping keeps the memory for a rollback, and on the host that
+            # needs address space as big as the chunk: when it has run out
+            # (RLIMIT_AS), give up the rollback rather than the memory.
+            txn.rollback()
+            for buffer, chunks in requests:
+                buffer._discard(chunks)
+        txn.commit()
+        for buffer in touched:
+            buffer._release_unreleased()
+    return sum(chunk.size for _, chunks in requests for chunk in chunks)
+
+
+def defragment_together(
+    requests: Sequence[tuple[VirtualBuffer, Iterable[tuple[int, int]]]],
+) -> None:
+    """Map each buffer's ranges again as one chunk per run, discarding contents.
+
+    Memory is released before the new chunks are made, so the peak is not
+    twice the cache. If making them fails, each buffer gets its previous
+    chunk layout back (zeroed: its contents were to be discarded anyway) and
+    the error propagates; a handle that cannot be released is kept for a
+    later call, the defragment done, and the error propagates. Memory that
+    connectors register must be
+    defragmented: UCX cannot transfer a region spanning several handles.
+    """
+    requests = [(buffer, list(ranges)) for buffer, ranges in requests]
+    buffers = [buffer for buffer, _ in requests]
+    with Transaction(buffers) as txn:
+        txn.enter_contexts(buffers)
+        for buffer, ranges in requests:
+            buffer._plan(ranges, True)
+        layouts = [runs_of(buffer._chunks) for buffer in buffers]
+        try:
+            release_together(buffers)
+        except Exception as exc:
+            if any(buffer._chunks for buffer in buffers):
+                raise  # the unmapping failed: nothing changed
+            # A handle could not be released (it is kept for a retry): the
+            # memory is unmapped, so the defragment goes on.
+            txn.note(exc)
+        txn.undo(_restore, buffers, layouts)
+        commit_together(requests, whole_runs=True)
+        txn.commit()
+
+
+def _restore(buffers: Sequence[VirtualBuffer], layouts: Sequence[list[list[Span]]]) -> None:
+    """Map each buffer's previous chunk layout again, after a failed defragment."""
+    for buffer, layout in zip(buffers, layouts, strict=False):
+        try:
+            buffer._map_chunks(layout)
+        except Exception:
+            logger.exception("restoring %r after a failed defragment failed", buffer)
