@@ -635,8 +635,7 @@ class ExtensibleTensor:
 def published_figures(
     tensor: ExtensibleTensor, kind: str, **figures: object
 ) -> dict[str, Any] | None:
-    """What ``extensible-kv top`` shows of a cache whose memory ``tensor``
-    holds (or the first of its tensors): see :func:`~extensible_kv.budget.publish.cache_figures`."""
+    """``top``'s figures of a cache holding ``tensor`` (see ``budget.publish.cache_figures``)."""
     buffer = tensor.buffer
     return cache_figures(buffer.driver, buffer.device, str(tensor.device), kind, **figures)
 
@@ -694,15 +693,16 @@ def _reserving(
 ) -> contextlib.AbstractContextManager[object]:
     """One hold (:meth:`~extensible_kv.driver.Driver.reserving`) per driver
     stack and device for the work on ``items``: ``(buffer, bytes it creates
-    beyond what it releases, bytes of credit)``, summed per stack and
-    device. Under a budget's limit it is refused, or waits, before the work
-    makes anything, and what the work releases stays its own until it ends;
+    beyond what it releases, bytes of credit)``, summed per stack and device;
     each adaptor in the stack decides for itself what to hold."""
     totals: dict[tuple[int, int], tuple[Driver, int, int]] = {}
     for buffer, size, credit in items:
         key = (id(buffer.driver), buffer.device)
         _, claimed, credited = totals.get(key, (buffer.driver, 0, 0))
         totals[key] = (buffer.driver, claimed + size, credited + credit)
+    if len(totals) == 1:  # a cache's buffers on one stack and device
+        (((_, device), (driver, size, credit)),) = totals.items()
+        return driver.reserving(device, max(0, size), credit=credit)
     stack = contextlib.ExitStack()
     try:
         for (_, device), (driver, size, credit) in totals.items():

@@ -76,13 +76,13 @@ class Transaction:
     """
 
     def __init__(self, buffers: Iterable[VirtualBuffer]) -> None:
-        self._buffers = list(buffers)
-        self._stack = contextlib.ExitStack()
+        self._locks = hold_locks(buffers)
+        self._contexts: contextlib.ExitStack | None = None
         self._undo: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
         self._errors: list[Exception] = []
 
     def __enter__(self) -> Transaction:
-        self._stack.enter_context(hold_locks(self._buffers))
+        self._locks.__enter__()
         return self
 
     def __exit__(
@@ -91,16 +91,24 @@ class Transaction:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        with self._stack:
-            if error is not None:
-                self.rollback()
-                return
-        if self._errors:
+        # Not an ExitStack of its own: every commit passes here, and the
+        # locks' own context managers cost less.
+        try:
+            try:
+                if error is not None:
+                    self.rollback()
+            finally:
+                if self._contexts is not None:
+                    self._contexts.close()
+        finally:
+            self._locks.__exit__(None, None, None)
+        if error is None and self._errors:
             raise self._errors[0]
 
     def enter_contexts(self, buffers: Iterable[VirtualBuffer]) -> None:
-        """Make the devices of ``buffers`` current until the end."""
-        self._stack.enter_context(contexts_of(buffers))
+        """Make the devices of ``buffers`` current until the end (once)."""
+        assert self._contexts is None, "a transaction enters its contexts once"
+        self._contexts = contexts_of(buffers)
 
     def undo(self, action: Callable[..., object], *args: Any) -> None:
         """Log ``action(*args)`` as the undo of the change just made."""
