@@ -835,11 +835,11 @@ def _batches(
     """``plans`` in order, grouped so that a group's new bytes stay within
     ``headroom`` or the largest plan's, whichever is more."""
     sizes = [sum(n for remap in remaps for _, n in remap.runs) for _, remaps in plans]
-    budget = max([headroom, *sizes])
+    most = max([headroom, *sizes])  # bytes a batch may stage
     batches: list[list[tuple[ExtensibleTensor, list[Remap]]]] = []
     total = 0
     for plan, size in zip(plans, sizes, strict=True):
-        if not batches or total + size > budget:
+        if not batches or total + size > most:
             batches.append([])
             total = 0
         batches[-1].append(plan)
