@@ -67,7 +67,7 @@ def test_openrlhfs_and_verls_loops_match_stock_and_hold_steady(model: str) -> No
 
 
 def test_tensor_parallel_ranks_sleep_and_wake_with_stock_tokens(model: str) -> None:
-    settings = {"model": model, "cycles": 1, "flows": ["openrlhf", "verl"], "tp": 2}
+    settings = {"model": model, "cycles": 2, "flows": ["openrlhf", "verl"], "tp": 2}
     stock = run({**settings, "worker": "stock"})
     for worker in ("ours", "elastic"):
         ours = run({**settings, "worker": worker})
