@@ -115,13 +115,9 @@ class BudgetDriver(DriverAdaptor):
             made.close()
         return found
 
-    def known_ledger(self, device: int) -> Ledger | None:
-        """``device``'s ledger once a claim has opened it, else None (calls
-        no driver, makes no file)."""
-        return self._ledgers.get(device)
-
     def accounting(self, device: int) -> tuple[str, str] | None:
-        """The protocol's answer: ``device``'s ledger, once opened."""
+        """The protocol's answer: ``device``'s ledger once a claim has opened
+        it, else None (calls no driver, makes no file)."""
         ledger = self._ledgers.get(device)
         return None if ledger is None else (ledger.device, str(ledger.state_dir))
 
@@ -136,8 +132,8 @@ class BudgetDriver(DriverAdaptor):
             return below
         stack = ExitStack()
         try:
+            stack.enter_context(below)  # closed too if the claim is refused
             stack.enter_context(self.prepaid(device, size, credit=credit))
-            stack.enter_context(below)
         except BaseException:
             stack.close()
             raise
