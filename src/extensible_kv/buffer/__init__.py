@@ -1,6 +1,8 @@
 """VirtualBuffer: one virtual address reservation and the physical chunks in
 it (``virtual.py``); what the chunks are (``chunks.py``); the operations over
-several buffers at once (``group.py``), each one transaction (``txn.py``)."""
+several buffers at once (``group.py``), each one transaction (``txn.py``);
+chunks mapped again with their contents (``remap.py``); memory shared with
+other processes (``sharing.py``)."""
 
 from extensible_kv.buffer.chunks import Chunk, Remap, Staging
 from extensible_kv.buffer.group import (
@@ -8,9 +10,9 @@ from extensible_kv.buffer.group import (
     defragment_together,
     release_outside_together,
     release_together,
-    swap_in_together,
     synchronize_buffers,
 )
+from extensible_kv.buffer.remap import swap_in_together
 from extensible_kv.buffer.txn import Transaction, contexts_of, hold_locks
 from extensible_kv.buffer.virtual import VirtualBuffer
 

@@ -1,16 +1,31 @@
-"""What a buffer's physical memory is made of: chunks, and the plans that
-map them again elsewhere with their contents (remaps and their stagings)."""
+"""What a buffer's physical memory is made of: chunks, the plans that map
+them again elsewhere with their contents (remaps and their stagings), what
+a failed clean-up leaves to return (leftovers), and the return of all of it
+when a buffer is dropped without ``free()``."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from extensible_kv.buffer.virtual import VirtualBuffer
+    from extensible_kv.driver import Driver
 
-__all__ = ["Chunk", "Remap", "Span", "Staging", "runs_of", "runs_of_chunks"]
+__all__ = [
+    "Chunk",
+    "LeftoverMemory",
+    "Remap",
+    "Span",
+    "Staging",
+    "runs_of",
+    "runs_of_chunks",
+    "teardown",
+]
+
+logger = logging.getLogger("extensible_kv.buffer.virtual")
 
 Span = tuple[int, int]
 
@@ -30,6 +45,30 @@ class Chunk:
     @property
     def end(self) -> int:
         return self.offset + self.size
+
+
+@dataclass
+class LeftoverMemory:
+    """Memory of a buffer that a failed clean-up left for a later call to
+    return: ``handles`` whose chunks are unmapped already, and ``ranges``
+    (``(offset, size)``) whose unmap failed after their handle went."""
+
+    handles: list[int] = field(default_factory=list)
+    ranges: list[Span] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.handles or self.ranges)
+
+    def return_to(self, driver: Driver, base_ptr: int) -> None:
+        """Unmap the ranges (at ``base_ptr``), then release the handles; what
+        fails stays for a retry. The caller makes the device current."""
+        while self.ranges:
+            offset, size = self.ranges[-1]
+            driver.unmap(base_ptr + offset, size)
+            self.ranges.pop()
+        while self.handles:
+            driver.release(self.handles[-1])
+            self.handles.pop()
 
 
 @dataclass(frozen=True)
@@ -75,3 +114,24 @@ def runs_of_chunks(chunks: Sequence[Chunk]) -> list[list[Chunk]]:
 def runs_of(chunks: Sequence[Chunk]) -> list[list[Span]]:
     """Chunks grouped into runs of adjacent ones, as a plan for ``VirtualBuffer._map_chunks``."""
     return [[(c.offset, c.size) for c in run] for run in runs_of_chunks(chunks)]
+
+
+def teardown(
+    driver: Driver,
+    device: int,
+    base_ptr: int,
+    size: int,
+    chunks: list[Chunk],
+    leftovers: LeftoverMemory,
+) -> None:
+    """Return everything of a buffer garbage-collected without ``free()``."""
+    try:
+        driver.synchronize(device)
+        with driver.context(device):
+            leftovers.return_to(driver, base_ptr)
+            for chunk in chunks:
+                driver.unmap(base_ptr + chunk.offset, chunk.size)
+                driver.release(chunk.handle)
+            driver.free_reserved(base_ptr, size)
+    except Exception:
+        logger.exception("a VirtualBuffer dropped without free() leaked memory")

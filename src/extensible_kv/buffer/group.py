@@ -1,6 +1,8 @@
 """Operations over several buffers at once, each one :class:`Transaction`:
-commit, release, release outside kept ranges, swap remapped chunks in, and
-defragment. A buffer's own methods are these over one buffer."""
+commit, release, release outside kept ranges, and defragment (the swap of
+remapped chunks is in ``remap.py``). A buffer's own methods are these over
+one buffer; they are the buffer package's own, reading a buffer's chunk
+bookkeeping directly."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from extensible_kv.buffer.chunks import Chunk, Span, Staging, runs_of
+from extensible_kv.buffer.chunks import Chunk, Span, runs_of
 from extensible_kv.buffer.txn import Transaction
 from extensible_kv.driver import OutOfMemoryError
 
@@ -20,7 +22,6 @@ __all__ = [
     "defragment_together",
     "release_outside_together",
     "release_together",
-    "swap_in_together",
     "synchronize_buffers",
 ]
 
@@ -43,7 +44,7 @@ def commit_together(
         work = [(buffer, plan) for (buffer, _), plan in zip(requests, plans, strict=True) if plan]
         txn.enter_contexts(buffer for buffer, _ in work)
         for buffer, plan in work:
-            buffer._release_unreleased()
+            buffer._return_leftovers()
             txn.undo(buffer._unmake, buffer._map_chunks(plan))
         txn.commit()
     return [[(run[0][0], sum(size for _, size in run)) for run in plan] for plan in plans]
@@ -82,48 +83,6 @@ def release_outside_together(
         return _release_chunks(doomed, synchronized=synchronized)
 
 
-def swap_in_together(
-    requests: Sequence[tuple[VirtualBuffer, Staging]],
-    *,
-    doomed: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]] = (),
-) -> None:
-    """Replace old chunks by staged ones in several buffers, and unmap the
-    ``doomed`` chunks, all or nothing across them; then release the old
-    and doomed handles and free the scratch reservations.
-
-    The memory moves with its contents (nothing is copied here). The caller
-    has synchronized the devices since filling the staged chunks
-    (:func:`synchronize_buffers`): unmapping does not wait for kernels. If
-    a swap or an unmap fails, every buffer is as it was and the stagings
-    are discarded. Past that point the operation is done: a handle or a
-    scratch reservation that cannot be returned is kept for a later call,
-    and the first such error propagates.
-    """
-    buffers = [b for b, _ in requests] + [b for b, chunks in doomed if chunks or b._owes]
-    scratches = [staging.scratch for _, staging in requests]
-    with Transaction([*buffers, *scratches]) as txn:
-        txn.enter_contexts([*buffers, *scratches])
-        for buffer in buffers:
-            buffer._check_usable()
-        txn.undo(_discard, [staging for _, staging in requests])
-        for buffer, staging in requests:
-            txn.undo(buffer._unswap, staging, buffer._swap(staging))
-        for buffer, chunks in doomed:
-            buffer._detach(chunks)
-            txn.undo(buffer._reattach, chunks)
-        txn.commit()
-        for buffer in buffers:
-            txn.collect(buffer._release_unreleased)
-        for buffer, staging in requests:
-            if not txn.collect(staging.scratch.free):
-                buffer._leftovers.append(staging.scratch)
-
-
-def _discard(stagings: Sequence[Staging]) -> None:
-    for staging in stagings:
-        staging.discard()
-
-
 def synchronize_buffers(buffers: Iterable[VirtualBuffer]) -> None:
     """Wait until no work queued on the devices of ``buffers`` can still
     touch them: for the whole device, or for the streams the buffers name
@@ -158,7 +117,7 @@ def _release_chunks(
     handles; the caller holds the buffers' locks."""
     if not synchronized:
         synchronize_buffers(buffer for buffer, chunks in requests if chunks)
-    touched = [buffer for buffer, chunks in requests if chunks or buffer._owes]
+    touched = [buffer for buffer, chunks in requests if chunks or buffer._has_leftovers]
     with Transaction(touched) as txn:
         txn.enter_contexts(touched)
         try:
@@ -172,9 +131,9 @@ def _release_chunks(
             txn.rollback()
             for buffer, chunks in requests:
                 buffer._discard(chunks)
-        txn.commit()
         for buffer in touched:
-            buffer._release_unreleased()
+            txn.after(buffer._return_leftovers)
+        txn.commit()
     return sum(chunk.size for _, chunks in requests for chunk in chunks)
 
 
@@ -198,14 +157,10 @@ def defragment_together(
         for buffer, ranges in requests:
             buffer._plan(ranges, True)
         layouts = [runs_of(buffer._chunks) for buffer in buffers]
-        try:
-            release_together(buffers)
-        except Exception as exc:
-            if any(buffer._chunks for buffer in buffers):
-                raise  # the unmapping failed: nothing changed
-            # A handle could not be released (it is kept for a retry): the
-            # memory is unmapped, so the defragment goes on.
-            txn.note(exc)
+        # A handle whose release fails is kept for a retry and its failure
+        # raised at the end (the release is a transaction nested in this
+        # one): the memory is unmapped, so the defragment goes on.
+        release_together(buffers)
         txn.undo(_restore, buffers, layouts)
         commit_together(requests, whole_runs=True)
         txn.commit()

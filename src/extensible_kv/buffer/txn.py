@@ -15,6 +15,7 @@ t.commit()``).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
     from extensible_kv.buffer.virtual import VirtualBuffer
 
 __all__ = ["Transaction", "contexts_of", "hold_locks"]
+
+#: The innermost transaction open on each thread (``innermost``), which a
+#: transaction opened inside it hands its late failures to.
+_open = threading.local()
 
 
 def contexts_of(buffers: Iterable[VirtualBuffer]) -> contextlib.ExitStack:
@@ -64,6 +69,7 @@ class Transaction:
         with Transaction(buffers) as txn:      # their locks, in one order
             txn.enter_contexts(changed)        # devices current, before any change
             change(); txn.undo(unchange, ...)  # each change, with its undo
+            txn.after(clean_up, ...)           # work for the point of no return
             txn.commit()                       # the point of no return
             txn.collect(clean_up, ...)         # failures kept, the rest goes on
 
@@ -71,18 +77,29 @@ class Transaction:
     propagates (an undo that fails propagates its own error instead, the
     log stopping there: the buffer it concerns keeps what it could not give
     back, for the next call to return). After :meth:`commit`, every
-    :meth:`collect` runs, and the first failure collected (or
-    :meth:`note`-d) is raised once the locks are released.
+    :meth:`after` and :meth:`collect` runs, and the first failure collected
+    (or :meth:`note`-d) is raised once the locks are released.
+
+    Transactions nest: one opened while another is open on the same thread
+    (a tensor's remap around its buffers' defragment) hands the failures it
+    collected past its own point of no return to the enclosing one, which
+    raises them once its own work is done. So an exception out of any
+    operation means that operation changed nothing, and work past a point
+    of no return is never left half done by a failure below it.
     """
 
     def __init__(self, buffers: Iterable[VirtualBuffer]) -> None:
         self._locks = hold_locks(buffers)
         self._contexts: contextlib.ExitStack | None = None
         self._undo: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
+        self._after: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
         self._errors: list[Exception] = []
+        self._outer: Transaction | None = None
 
     def __enter__(self) -> Transaction:
         self._locks.__enter__()
+        self._outer = getattr(_open, "innermost", None)
+        _open.innermost = self
         return self
 
     def __exit__(
@@ -93,6 +110,7 @@ class Transaction:
     ) -> None:
         # Not an ExitStack of its own: every commit passes here, and the
         # locks' own context managers cost less.
+        _open.innermost = self._outer
         try:
             try:
                 if error is not None:
@@ -103,12 +121,18 @@ class Transaction:
         finally:
             self._locks.__exit__(None, None, None)
         if error is None and self._errors:
+            if self._outer is not None:
+                self._outer._errors.extend(self._errors)
+                return
             raise self._errors[0]
 
     def enter_contexts(self, buffers: Iterable[VirtualBuffer]) -> None:
-        """Make the devices of ``buffers`` current until the end (once)."""
-        assert self._contexts is None, "a transaction enters its contexts once"
-        self._contexts = contexts_of(buffers)
+        """Make the devices of ``buffers`` current until the end."""
+        entered = contexts_of(buffers)
+        if self._contexts is None:
+            self._contexts = entered
+        else:
+            self._contexts.enter_context(entered)
 
     def undo(self, action: Callable[..., object], *args: Any) -> None:
         """Log ``action(*args)`` as the undo of the change just made."""
@@ -120,9 +144,19 @@ class Transaction:
             action, args = self._undo.pop()
             action(*args)
 
+    def after(self, action: Callable[..., object], *args: Any) -> None:
+        """Run ``action(*args)`` at :meth:`commit`, its failure collected
+        (see :meth:`collect`): clean-up that must wait until nothing can be
+        undone, such as releasing the handles of unmapped chunks."""
+        self._after.append((action, args))
+
     def commit(self) -> None:
-        """The point of no return: the changes logged so far stay."""
+        """The point of no return: the changes logged so far stay, and the
+        work deferred with :meth:`after` runs, in order."""
         self._undo.clear()
+        after, self._after = self._after, []
+        for action, args in after:
+            self.collect(action, *args)
 
     def note(self, error: Exception) -> None:
         """Keep ``error`` to raise at the end: the work goes on past it."""

@@ -5,13 +5,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 from extensible_kv._checks import check_bytes, check_int, round_up
-from extensible_kv.buffer.chunks import Chunk, Remap, Span, Staging, runs_of_chunks
+from extensible_kv.buffer.chunks import Chunk, LeftoverMemory, Remap, Span, Staging, teardown
 from extensible_kv.buffer.group import (
     commit_together,
     defragment_together,
@@ -19,6 +18,8 @@ from extensible_kv.buffer.group import (
     release_together,
     synchronize_buffers,
 )
+from extensible_kv.buffer.remap import plan_remaps, stage
+from extensible_kv.buffer.sharing import export_chunks, map_imported
 from extensible_kv.driver import Driver
 from extensible_kv.intervals import IntervalSet
 
@@ -99,9 +100,9 @@ class VirtualBuffer:
         self._chunks: list[Chunk] = []
         self._chunk_offsets: list[int] = []
         self._mapped = IntervalSet()
-        self._unreleased: list[int] = []
-        self._stranded: list[Span] = []
-        #: Scratch buffers of a remap whose free failed, freed by the next call.
+        #: What failed clean-ups left, returned by the next call that
+        #: changes the buffer: memory, and scratch buffers of remaps.
+        self._leftover_memory = LeftoverMemory()
         self._leftovers: list[VirtualBuffer] = []
         self._views = 0
         self._context_depth = 0
@@ -112,14 +113,13 @@ class VirtualBuffer:
         # still be read by code running after atexit handlers.
         self._finalizer = weakref.finalize(
             self,
-            _teardown,
+            teardown,
             driver,
             device,
             self.base_ptr,
             self.size,
             self._chunks,
-            self._unreleased,
-            self._stranded,
+            self._leftover_memory,
         )
         self._finalizer.atexit = False
 
@@ -348,53 +348,13 @@ class VirtualBuffer:
     def export_chunks(self) -> list[tuple[Chunk, int]]:
         """Every chunk with a new file descriptor for its memory (the caller
         owns and closes them). Needs a buffer made ``shareable``."""
-        with self._lock:
-            self._check_usable()
-            if not self.shareable:
-                raise ValueError("only a buffer created with shareable=True can be exported")
-            exported: list[tuple[Chunk, int]] = []
-            try:
-                with self._context():
-                    for chunk in self._chunks:
-                        exported.append((chunk, self.driver.export_handle(chunk.handle)))
-            except BaseException:
-                for _, fd in exported:
-                    os.close(fd)
-                raise
-            return exported
+        return export_chunks(self)
 
     def map_imported(self, chunks: Sequence[tuple[int, int, int]]) -> None:
         """Map memory another process exported: ``(offset, size, fd)`` per
         chunk, into unmapped granules of this buffer. The fds stay the
         caller's. All or nothing."""
-        with self._lock:
-            self._check_usable()
-            for offset, size, _ in chunks:
-                check_int("imported chunk offset", offset)
-                check_int("imported chunk size", size)
-                if offset < 0 or offset % self.granularity or size % self.granularity or size <= 0:
-                    raise ValueError(
-                        f"imported chunk (offset={offset}, size={size}) is not made of whole "
-                        f"{self.granularity}-byte granules"
-                    )
-                if offset + size > self.size or self._mapped.overlaps(offset, offset + size):
-                    raise ValueError(
-                        f"imported chunk [{offset}, {offset + size}) does not fit an unmapped "
-                        f"part of the {self.size}-byte reservation"
-                    )
-            made: list[Chunk] = []
-            try:
-                # HIP imports onto the current device: make it this buffer's.
-                with self._context():
-                    for offset, size, fd in chunks:
-                        made.append(self._map_new(offset, size, self.driver.import_handle(fd)))
-                    for run in runs_of_chunks(sorted(made, key=lambda c: c.offset)):
-                        start, end = run[0].offset, run[-1].end
-                        self.driver.set_access(self.base_ptr + start, end - start, self.device)
-            except BaseException:
-                self._unmap_and_release(made)
-                raise
-            self._add(made)
+        map_imported(self, chunks)
 
     # -- remapping with contents kept ------------------------------------------
 
@@ -406,82 +366,19 @@ class VirtualBuffer:
         needed granules it holds; with ``merge`` every run of adjacent chunks
         becomes one chunk per run of needed granules (defragmenting).
         """
-        with self._lock:
-            self._check_usable()
-            needed = self._widened(list(keep))
-            groups = runs_of_chunks(self._chunks) if merge else [[c] for c in self._chunks]
-            plans = []
-            for group in groups:
-                start, end = group[0].offset, group[-1].end
-                runs = [(lo, hi - lo) for lo, hi in needed.overlaps(start, end)]
-                if runs != [(c.offset, c.size) for c in group]:
-                    plans.append(Remap(tuple(group), start, end, tuple(runs)))
-            return plans
+        return plan_remaps(self, keep, merge=merge)
 
     def stage(self, remaps: Sequence[Remap]) -> Staging:
         """Make the new chunks of ``remaps`` in one scratch reservation,
         mapped and accessible, for the caller to copy the live bytes into
-        (at :attr:`Staging.places`) before :func:`swap_in_together`.
+        (at :attr:`Staging.places`) before
+        :func:`~extensible_kv.buffer.swap_in_together`.
 
         One reservation serves every remap; its chunks sit a granule apart so
         that each stays a chunk of its own. All or nothing: on error nothing
         is left staged. The caller swaps the staging in or discards it.
         """
-        runs = [run for remap in remaps for run in remap.runs]
-        places, cursor = [], 0
-        for offset, size in runs:
-            places.append((offset, size, cursor))
-            cursor += size + self.granularity
-        scratch = VirtualBuffer(cursor, self.driver, self.device, shareable=self.shareable)
-        try:
-            commit_together([(scratch, [(at, size) for _, size, at in places])], whole_runs=True)
-        except BaseException:
-            scratch.free_quietly()
-            raise
-        return Staging(scratch, tuple(remaps), tuple(places))
-
-    def _swap(self, staging: Staging) -> list[tuple[Chunk, Chunk]]:
-        """Unmap the old chunks (keeping their handles) and move the staged
-        ones to their addresses; all or nothing. Returns each moved chunk
-        here and as it was in the scratch buffer, for :meth:`_unswap`."""
-        scratch = staging.scratch
-        old = [chunk for remap in staging.remaps for chunk in remap.old]
-        at = {chunk.offset: chunk for chunk in scratch._chunks}
-        moving = [(at[offset], target) for target, _, offset in staging.places]
-        self._detach(old)
-        moved: list[tuple[Chunk, Chunk]] = []
-        try:
-            for chunk, target in moving:
-                scratch.driver.unmap(scratch.base_ptr + chunk.offset, chunk.size)
-                here = Chunk(target, chunk.size, chunk.handle)
-                try:
-                    self.driver.map(self.base_ptr + here.offset, here.size, here.handle)
-                except BaseException:
-                    scratch._map_back([chunk])
-                    raise
-                moved.append((here, chunk))
-            for here, _ in moved:
-                self.driver.set_access(self.base_ptr + here.offset, here.size, self.device)
-        except BaseException:
-            self._move_back(scratch, moved)
-            self._reattach(old)
-            raise
-        scratch._remove(chunk for chunk, _ in moving)
-        self._add(here for here, _ in moved)
-        return moved
-
-    def _unswap(self, staging: Staging, moved: list[tuple[Chunk, Chunk]]) -> None:
-        """Undo :meth:`_swap`: staged chunks back to the scratch buffer, the
-        old ones mapped again with their contents."""
-        self._remove(here for here, _ in moved)
-        staging.scratch._add(chunk for _, chunk in moved)
-        self._move_back(staging.scratch, moved)
-        self._reattach([chunk for remap in staging.remaps for chunk in remap.old])
-
-    def _move_back(self, scratch: VirtualBuffer, moved: list[tuple[Chunk, Chunk]]) -> None:
-        for here, chunk in moved:
-            self.driver.unmap(self.base_ptr + here.offset, here.size)
-            scratch._map_back([chunk])
+        return stage(self, remaps)
 
     def free_quietly(self) -> None:
         """:meth:`free`, logging instead of raising: for clean-up paths, where
@@ -507,7 +404,7 @@ class VirtualBuffer:
                 self._map_back(done)
                 raise
         self._remove(chunks)
-        self._unreleased.extend(chunk.handle for chunk in chunks)
+        self._leftover_memory.handles.extend(chunk.handle for chunk in chunks)
 
     def _map_back(self, chunks: Sequence[Chunk]) -> None:
         with self._context():
@@ -520,7 +417,8 @@ class VirtualBuffer:
         self._map_back(chunks)
         self._add(chunks)
         handles = {chunk.handle for chunk in chunks}
-        self._unreleased[:] = [h for h in self._unreleased if h not in handles]
+        kept = self._leftover_memory.handles
+        kept[:] = [handle for handle in kept if handle not in handles]
 
     def _discard(self, chunks: Sequence[Chunk]) -> None:
         """Release each chunk's handle, then unmap it (its memory goes then).
@@ -537,30 +435,23 @@ class VirtualBuffer:
                 try:
                     self.driver.unmap(self.base_ptr + chunk.offset, chunk.size)
                 except BaseException:
-                    self._stranded.append((chunk.offset, chunk.size))
+                    self._leftover_memory.ranges.append((chunk.offset, chunk.size))
                     raise
 
     @property
-    def _owes(self) -> bool:
+    def _has_leftovers(self) -> bool:
         """True while an earlier failure left something to return."""
-        return bool(self._unreleased or self._stranded or self._leftovers)
+        return bool(self._leftover_memory or self._leftovers)
 
-    def _release_unreleased(self) -> None:
-        """Return what an earlier failure left: unmap stranded ranges, release
-        handles already unmapped; a failure keeps the rest for a retry."""
+    def _return_leftovers(self) -> None:
+        """Return what an earlier failure left (see :class:`LeftoverMemory`),
+        and free leftover scratch buffers; a failure keeps the rest for a retry."""
         while self._leftovers:
             self._leftovers[-1].free()
             self._leftovers.pop()
-        if not (self._unreleased or self._stranded):
-            return
-        with self._context():
-            while self._stranded:
-                offset, size = self._stranded[-1]
-                self.driver.unmap(self.base_ptr + offset, size)
-                self._stranded.pop()
-            while self._unreleased:
-                self.driver.release(self._unreleased[-1])
-                self._unreleased.pop()
+        if self._leftover_memory:
+            with self._context():
+                self._leftover_memory.return_to(self.driver, self.base_ptr)
 
     # -- lifetime -------------------------------------------------------------
 
@@ -600,28 +491,3 @@ class VirtualBuffer:
                     self._free_reservation()
                 except Exception:
                     logger.exception("returning the address range of %r failed", self)
-
-
-def _teardown(
-    driver: Driver,
-    device: int,
-    base_ptr: int,
-    size: int,
-    chunks: list[Chunk],
-    unreleased: list[int],
-    stranded: list[Span],
-) -> None:
-    """Return everything of a buffer garbage-collected without ``free()``."""
-    try:
-        driver.synchronize(device)
-        with driver.context(device):
-            for offset, length in stranded:
-                driver.unmap(base_ptr + offset, length)
-            for chunk in chunks:
-                driver.unmap(base_ptr + chunk.offset, chunk.size)
-                driver.release(chunk.handle)
-            for handle in unreleased:
-                driver.release(handle)
-            driver.free_reserved(base_ptr, size)
-    except Exception:
-        logger.exception("a VirtualBuffer dropped without free() leaked memory")
