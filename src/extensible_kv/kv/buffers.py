@@ -1,37 +1,42 @@
-"""KVCacheBuffers: every KV cache tensor of an engine, committed in lockstep by blocks."""
+"""KVCacheBuffers: every KV cache tensor of an engine, committed in lockstep by blocks.
+
+The cache checks each call and runs it under its lock, in the order issued;
+the work is done by parts it owns, one idea each: its buffers and the blocks
+they hold (``kv/lockstep.py``; who may join, ``kv/members.py``), growth,
+trim and defragment (``kv/resize.py``), sleep and wake with their host
+copies (``kv/sleep_wake.py``), KV connector registrations
+(``kv/registrations.py``) and background commits (``kv/commit_queue.py``).
+"""
 
 from __future__ import annotations
 
 import functools
 import threading
-import warnings
-import weakref
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from concurrent.futures import Future
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.budget.publish import register_cache
-from extensible_kv.buffer import synchronize_buffers
-from extensible_kv.driver.ahead import create_ahead_in_background
+from extensible_kv.kv import members
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
+from extensible_kv.kv.commit_queue import CommitQueue
 from extensible_kv.kv.commit_ticket import CommitTicket
+from extensible_kv.kv.lockstep import Lockstep
+from extensible_kv.kv.registrations import ConnectorRegistrationWarning, Registrations
+from extensible_kv.kv.resize import Resizer
 from extensible_kv.kv.sleep import Sleep, SleepState
+from extensible_kv.kv.sleep_wake import SleepWake
 from extensible_kv.tensor import (
     ExtensibleTensor,
-    claimed_at_once,
-    defragment_all,
-    in_one_chunk_per_segment,
     published_figures,
-    release_physical_all,
-    remap_per_segment_all,
-    resize_per_segment_all,
-    shrink_per_segment_all,
+    reserve_ahead_all,
     stream_handles,
 )
+
+__all__ = ["ConnectorRegistrationWarning", "ExtensibleKVCacheBuffers", "KVCacheBuffers"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -46,25 +51,11 @@ def _serialized(method: Callable[_P, _R]) -> Callable[_P, _R]:
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         cache = args[0]
         assert isinstance(cache, KVCacheBuffers)
-        cache._wait_for_queued()
+        cache._commits.wait()
         with cache._lock:
             return method(*args, **kwargs)
 
     return wrapper
-
-
-def _pairs(items: Sequence[Any]) -> list[tuple[ExtensibleTensor, int]]:
-    """``items`` as ``(buffer, bytes_per_block_per_segment)`` pairs, or a
-    TypeError saying that is what a KV cache takes."""
-    pairs = []
-    for item in items:
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise TypeError(
-                f"a KV cache takes (ExtensibleTensor, bytes_per_block_per_segment) pairs, "
-                f"got {type(item).__name__}"
-            )
-        pairs.append((item[0], item[1]))
-    return pairs
 
 
 def _published(cache: KVCacheBuffers) -> dict[str, Any] | None:
@@ -81,11 +72,6 @@ def _published(cache: KVCacheBuffers) -> dict[str, Any] | None:
         blocks=cache.num_blocks_committed,
         capacity_blocks=cache.num_blocks_capacity,
     )
-
-
-class ConnectorRegistrationWarning(UserWarning):
-    """A sleep released memory a KV connector had registered: the connector
-    must register the views again after :meth:`KVCacheBuffers.recommit`."""
 
 
 class KVCacheBuffers:
@@ -110,48 +96,26 @@ class KVCacheBuffers:
         if num_blocks_capacity < 1:
             raise ValueError(f"num_blocks_capacity must be positive, got {num_blocks_capacity}")
         self.num_blocks_capacity = num_blocks_capacity
-        self.buffers: list[tuple[ExtensibleTensor, int]] = []
-        self._committed = 0
-        self._sleep = Sleep()
-        self._registered: list[str] = []
-        self._spare: HostBackup | None = None  # kept by a wake for the next sleep
+        self._lockstep = Lockstep()
+        self._cycle = SleepWake(self._lockstep)
+        self._registrations = Registrations()
+        self._resizer = Resizer(self._lockstep, self._cycle, self._registrations)
         self._lock = threading.RLock()
-        self._queue: ThreadPoolExecutor | None = None
-        self._queued: Future[CommitTicket] | None = None
-        self._commit_stream: torch.cuda.Stream | None = None
+        self._commits = CommitQueue(self._lock)
         self._wait_streams: tuple[int, ...] | None = None
-        self._closing = False
         self._freed = False
-        for buffer, bytes_per_block in _pairs(buffers):
-            self._check_buffer(buffer, bytes_per_block)
-            self.buffers.append((buffer, bytes_per_block))
-            buffer._cache = weakref.ref(self)
+        for buffer, bytes_per_block in members.as_pairs(buffers):
+            members.check_joining(buffer, bytes_per_block, num_blocks_capacity, self.buffers)
+            self._lockstep.append(buffer, bytes_per_block)
+            buffer.publish_within(self)
         register_cache(self, _published)
 
     def __repr__(self) -> str:
         return (
-            f"KVCacheBuffers({len(self.buffers)} buffers, {self._committed}/"
+            f"KVCacheBuffers({len(self.buffers)} buffers, {self.num_blocks_committed}/"
             f"{self.num_blocks_capacity} blocks, {self.physical_bytes} physical bytes, "
             f"{self.state.value})"
         )
-
-    def _check_buffer(self, buffer: ExtensibleTensor, bytes_per_block: int) -> None:
-        if not isinstance(buffer, ExtensibleTensor):
-            raise TypeError(
-                f"a KV cache buffer is an ExtensibleTensor, got {type(buffer).__name__}"
-            )
-        if any(buffer is mine for mine, _ in self.buffers):
-            raise ValueError(f"{buffer!r} is already in this KV cache; each buffer joins once")
-        check_int("bytes_per_block_per_segment", bytes_per_block)
-        if bytes_per_block < 1:
-            raise ValueError(f"bytes_per_block_per_segment must be positive, got {bytes_per_block}")
-        needed = self.num_blocks_capacity * bytes_per_block
-        if needed > buffer.segment_capacity_bytes:
-            raise ValueError(
-                f"{self.num_blocks_capacity} blocks of {bytes_per_block} bytes per segment "
-                f"({needed} bytes) exceed the segment capacity "
-                f"{buffer.segment_capacity_bytes} of {buffer!r}"
-            )
 
     # -- state ------------------------------------------------------------------
 
@@ -160,9 +124,26 @@ class KVCacheBuffers:
             raise ValueError(f"the KV cache has been freed; {what} is no longer possible")
 
     @property
+    def buffers(self) -> list[tuple[ExtensibleTensor, int]]:
+        """The ``(ExtensibleTensor, bytes_per_block_per_segment)`` pairs, in
+        the order they joined (empty once freed)."""
+        return self._lockstep.members
+
+    @property
+    def _sleep(self) -> Sleep:
+        """Where the cache stands in its sleep cycle, with the host copy of a
+        preserving sleep."""
+        return self._cycle.sleep
+
+    @property
+    def _spare(self) -> HostBackup | None:
+        """The host copy a wake kept for the next preserving sleep."""
+        return self._cycle.spare
+
+    @property
     def num_blocks_committed(self) -> int:
         """Blocks backed by physical memory now (0 while released)."""
-        return self._committed
+        return self._lockstep.committed
 
     @property
     def released(self) -> bool:
@@ -194,7 +175,7 @@ class KVCacheBuffers:
     @property
     def physical_bytes(self) -> int:
         """Physical memory held, summed over buffers (whole granules)."""
-        return sum(buffer.physical_bytes for buffer, _ in self.buffers)
+        return self._lockstep.physical_bytes
 
     @property
     def reserved_bytes(self) -> int:
@@ -217,21 +198,16 @@ class KVCacheBuffers:
         if self.released:
             raise ValueError(f"the KV cache is released (asleep); call recommit() before {what}")
 
-    def _check_unregistered(self, what: str) -> None:
-        """Refuse what would unmap or change memory a connector registered."""
-        if self._registered:
-            raise ValueError(
-                f"{what} would change memory that KV connector registrations "
-                f"({', '.join(self._registered)}) point at; unregister_external() first, "
-                f"then register the views again after"
-            )
+    def _device(self) -> torch.device:
+        """The buffers' device (the host with no buffer)."""
+        return self._lockstep.device
 
     # -- KV connectors ----------------------------------------------------------
 
     @property
     def external_registrations(self) -> tuple[str, ...]:
         """Names under which connectors registered this cache's memory."""
-        return tuple(self._registered)
+        return self._registrations.names
 
     @_serialized
     def register_external(self, name: str) -> None:
@@ -249,32 +225,12 @@ class KVCacheBuffers:
         :meth:`recommit`).
         """
         self._check_awake("register_external()")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a registration is named by a non-empty str, got {name!r}")
-        if name in self._registered:
-            raise ValueError(f"{name!r} is already registered")
-        plain = [b for b, _ in self.buffers if not b.buffer.shareable]
-        if plain:
-            raise ValueError(
-                f"{len(plain)} of {len(self.buffers)} buffers are not shareable; a KV connector "
-                f"needs memory made with shareable=True (allocate_kv_cache(..., shareable=True))"
-            )
-        scattered = [b for b, _ in self.buffers if not in_one_chunk_per_segment(b)]
-        if scattered:
-            raise ValueError(
-                f"{len(scattered)} of {len(self.buffers)} buffers span several physical "
-                f"allocations per segment, which UCX cannot transfer; call "
-                f"commit(num_blocks, defragment=True) before registering"
-            )
-        self._registered.append(name)
+        self._registrations.add(name, [buffer for buffer, _ in self.buffers])
 
     @_serialized
     def unregister_external(self, name: str) -> None:
         """Forget a registration made by :meth:`register_external`."""
-        if name not in self._registered:
-            listed = ", ".join(map(repr, self._registered)) or "none"
-            raise ValueError(f"{name!r} is not registered (registered: {listed})")
-        self._registered.remove(name)
+        self._registrations.remove(name)
 
     # -- growth -----------------------------------------------------------------
 
@@ -292,18 +248,8 @@ class KVCacheBuffers:
 
     def _add(self, items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
         self._check_awake("add()")
-        self._check_unregistered("add()")
-        items = _pairs(items)
-        for index, (buffer, per_block) in enumerate(items):
-            if any(buffer is other for other, _ in items[:index]):
-                raise ValueError(f"{buffer!r} is given twice; each buffer joins once")
-            self._check_buffer(buffer, per_block)
-        resize_per_segment_all(
-            [(buffer, self._committed * per_block) for buffer, per_block in items], zero_new=True
-        )
-        self.buffers.extend(items)
-        for buffer, _ in items:
-            buffer._cache = weakref.ref(self)
+        for buffer in self._resizer.add(items, self.num_blocks_capacity):
+            buffer.publish_within(self)
         self._apply_wait_streams()
 
     def wait_for_streams(self, streams: Iterable[Any] | None) -> None:
@@ -322,8 +268,9 @@ class KVCacheBuffers:
 
     def _apply_wait_streams(self) -> None:
         handles = self._wait_streams
-        if handles is not None and self._commit_stream is not None:
-            handles = (*handles, int(self._commit_stream.cuda_stream))
+        commit_stream = self._commits.stream_handle
+        if handles is not None and commit_stream is not None:
+            handles = (*handles, commit_stream)
         for buffer, _ in self.buffers:
             buffer.buffer.wait_streams = handles
 
@@ -364,82 +311,11 @@ class KVCacheBuffers:
         self._check_alive("commit()")
         self._check_count("commit", num_blocks)
         check_bool("defragment", defragment)
-        if defragment:
-            if not self._holds_exactly(num_blocks):
-                self._check_unregistered("a defragmenting commit")
-        elif num_blocks > self._committed:
-            self._check_unregistered(f"growing to {num_blocks} blocks")
-        if self._sleep.asleep:
-            self._wake_for_commit(num_blocks, defragment)
-            return
-        if defragment:
-            self._remap(num_blocks)
-            self._sleep = Sleep()
-        elif num_blocks > self._committed:
-            self._grow(num_blocks)
-
-    def _wake_for_commit(self, num_blocks: int, defragment: bool) -> None:
-        """A commit while released: restore a host copy whole, else commit
-        only what was asked and leave the rest to :meth:`recommit`."""
-        sleep = self._sleep
-        assert sleep.asleep_at is not None
-        if sleep.backup is not None:
-            # Restore and growth claim their memory together: a refusal comes
-            # before either, and leaves the cache asleep with its copy.
-            with self._claimed(max(num_blocks, sleep.asleep_at)):
-                self._recommit(keep_host_memory=False, staging_bytes=DEFAULT_STAGING_BYTES)
-                self._commit(num_blocks, defragment)
-            return
-        self._sleep = sleep.woken()
-        try:
-            if defragment:
-                self._remap(num_blocks)
-            else:
-                self._grow(num_blocks)
-        except BaseException:
-            # Nothing committed: still asleep.
-            committed = any(buffer.physical_bytes for buffer, _ in self.buffers)
-            self._sleep = sleep.partly_woken() if committed else sleep
-            raise
-        self._sleep = Sleep() if defragment else sleep.partly_woken()
-
-    def _remap(self, num_blocks: int) -> None:
-        """Hold exactly ``num_blocks`` blocks, one chunk per segment, zeroed;
-        all or nothing."""
-        if self._holds_exactly(num_blocks):
-            # Already laid out so: no remap, but a defragment still discards.
-            for region in self._regions(num_blocks):
-                region.zero_()
-            return
-        sizes = [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
-        try:
-            remap_per_segment_all(sizes)
-        finally:
-            if all(buffer.bytes_per_segment == size for buffer, size in sizes):
-                self._committed = num_blocks
-
-    def _holds_exactly(self, num_blocks: int) -> bool:
-        """True when a defragmenting commit of ``num_blocks`` has nothing to do."""
-        return num_blocks == self._committed and all(
-            in_one_chunk_per_segment(buffer) for buffer, _ in self.buffers
-        )
-
-    def _grow(self, num_blocks: int, zero_new: bool = True) -> None:
-        resize_per_segment_all(
-            [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers],
-            zero_new=zero_new,
-        )
-        self._committed = num_blocks
+        self._resizer.commit(num_blocks, defragment)
 
     def _regions(self, num_blocks: int) -> list[torch.Tensor]:
         """The first ``num_blocks`` blocks of every segment of every buffer, as bytes."""
-        regions = []
-        for buffer, per_block in self.buffers:
-            full = buffer.full_view()
-            for segment in range(buffer.num_segments):
-                start = segment * buffer.segment_capacity_bytes
-                regions.append(full[start : start + num_blocks * per_block])
-        return regions
+        return self._lockstep.regions(num_blocks)
 
     @_serialized
     def trim(self, num_blocks: int) -> None:
@@ -456,25 +332,8 @@ class KVCacheBuffers:
         full or lowered limit if it must (docs/budget.md), since the trim
         ends holding less.
         """
-        self._trim(num_blocks)
-
-    def _trim(self, num_blocks: int) -> None:
         self._check_awake("trim()")
-        self._check_unregistered("trim()")
-        check_int("num_blocks", num_blocks)
-        if not 0 <= num_blocks <= self._committed:
-            raise ValueError(
-                f"trim keeps 0 to {self._committed} blocks (the committed count), "
-                f"not {num_blocks}; commit() grows"
-            )
-        try:
-            shrink_per_segment_all(
-                [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
-            )
-        finally:
-            if all(b.bytes_per_segment == num_blocks * per_block for b, per_block in self.buffers):
-                self._committed = num_blocks
-                self._sleep = Sleep()
+        self._resizer.trim(num_blocks)
 
     @_serialized
     def clear(self) -> None:
@@ -482,14 +341,7 @@ class KVCacheBuffers:
         memory and no host copy (a cache forgetting its tokens; blocks that
         warm-up wrote, to be handed out as zeros). Refused while registered."""
         self._check_alive("clear()")
-        self._check_unregistered("clear()")
-        if not self._sleep.asleep:
-            self._trim(0)
-            return
-        release_physical_all([buffer for buffer, _ in self.buffers])
-        if self._sleep.backup is not None:
-            self._sleep.backup.free()
-        self._sleep = Sleep()
+        self._resizer.clear()
 
     @_serialized
     def defragment(self, preserve: bool = True) -> None:
@@ -500,11 +352,7 @@ class KVCacheBuffers:
         time. Without, contents are discarded, as ``commit(n, defragment=True)``.
         """
         self._check_awake("defragment()")
-        self._check_unregistered("defragment()")
-        if preserve:
-            defragment_all([buffer for buffer, _ in self.buffers], preserve=True)
-        else:
-            self._commit(self._committed, defragment=True)
+        self._resizer.defragment(preserve)
 
     def extend(self, num_blocks: int, defragment: bool = False) -> None:
         """vLLM's name for the final commit, once sizing decided: :meth:`commit`."""
@@ -535,12 +383,9 @@ class KVCacheBuffers:
         """
         self._check_alive("reserve_ahead()")
         self._check_count("reserve for", num_blocks)
-        handles = [
-            handle
-            for buffer, per_block in self.buffers
-            for handle in buffer._handles_to_grow(num_blocks * per_block)
-        ]
-        return create_ahead_in_background(handles)
+        return reserve_ahead_all(
+            [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
+        )
 
     def commit_async(self, num_blocks: int) -> Future[CommitTicket]:
         """Commit ``num_blocks`` on a worker thread, so that the driver calls
@@ -553,38 +398,9 @@ class KVCacheBuffers:
         stream wait on the ticket's event). Errors surface in the future.
         """
         check_int("num_blocks", num_blocks)
-        with self._lock:
-            if self._closing:
-                raise ValueError("the KV cache has been freed; commit_async is no longer possible")
-            if self._queue is None:
-                self._queue = ThreadPoolExecutor(1, thread_name_prefix="extensible-kv-commit")
-            future = self._queue.submit(self._commit_job, num_blocks)
-            self._queued = future
-        return future
-
-    def _commit_job(self, num_blocks: int) -> CommitTicket:
-        with self._lock:
-            device = self.buffers[0][0].device if self.buffers else torch.device("cpu")
-            if device.type != "cuda":
-                self._commit(num_blocks)
-                return CommitTicket(num_blocks, None, device)
-            if self._commit_stream is None:
-                self._commit_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                self._apply_wait_streams()
-            with torch.cuda.stream(self._commit_stream):
-                self._commit(num_blocks)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self._commit_stream)
-            return CommitTicket(num_blocks, event, device)
-
-    def _wait_for_queued(self) -> None:
-        """Wait until the commits queued so far have run (their errors stay
-        in their futures). The worker itself never waits."""
-        queued = self._queued
-        if queued is not None and not threading.current_thread().name.startswith(
-            "extensible-kv-commit"
-        ):
-            queued.exception()
+        return self._commits.submit(
+            num_blocks, self._commit, self._device, self._apply_wait_streams
+        )
 
     # -- sleep and wake ---------------------------------------------------------
 
@@ -610,47 +426,13 @@ class KVCacheBuffers:
         """
         self._check_alive("release_physical()")
         if not preserve:
-            self._check_unregistered("a discarding release_physical()")
-            if self._sleep.backup is not None:
-                # Asleep with a host copy: a discarding sleep forgets it, so
-                # that the wake does not restore what was to be discarded.
-                self._sleep.backup.free()
-                self._sleep = self._sleep.without_backup()
-        backup = None
-        if not self._sleep.asleep and preserve:
-            # Writers on any stream (an engine's side streams, the zeroing
-            # of commit_async) must be done before the copy reads the blocks.
-            synchronize_buffers(buffer.buffer for buffer, _ in self.buffers)
-            backup = HostBackup.capture(
-                self._regions(self._committed), staging_bytes=staging_bytes, reuse=self._spare
-            )
-            self._spare = None
+            self._registrations.check_unregistered("a discarding release_physical()")
         try:
-            # Called again while asleep, this still releases any handle a
-            # failed release left behind.
-            release_physical_all([buffer for buffer, _ in self.buffers])
-        except BaseException:
-            if not self._sleep.asleep and any(b.physical_bytes for b, _ in self.buffers):
-                self._drop_backup(backup)
-            raise
+            self._cycle.release(preserve=preserve, staging_bytes=staging_bytes)
         finally:
-            # Unmapping is all or nothing; if it happened, the cache sleeps
-            # even when releasing a handle failed (a second call retries it).
-            if all(buffer.physical_bytes == 0 for buffer, _ in self.buffers):
-                self._sleep = self._sleep.fallen_asleep(self._committed, backup)
-                self._committed = 0
-                self._drop_registrations()
-
-    def _drop_registrations(self) -> None:
-        if self._registered:
-            warnings.warn(
-                f"release_physical(preserve=True) released memory that KV connector "
-                f"registrations ({', '.join(self._registered)}) point at; they are dropped: "
-                f"register kv.narrowed_views() again after recommit()",
-                ConnectorRegistrationWarning,
-                stacklevel=4,
-            )
-            self._registered.clear()
+            if self._sleep.asleep:
+                # Asleep, nothing is mapped that a connector could still use.
+                self._registrations.drop_released()
 
     @_serialized
     def recommit(
@@ -681,86 +463,14 @@ class KVCacheBuffers:
         self._check_alive("recommit()")
         if num_blocks is not None:
             self._check_count("recommit", num_blocks)
-        sleep = self._sleep
-        if num_blocks is not None and sleep.state is SleepState.ASLEEP_DISCARDED:
-            self._grow(num_blocks)
-            self._sleep = Sleep()
-            return
-        if sleep.state is SleepState.AWAKE:
-            return
-        target = sleep.wake_to if num_blocks is None else num_blocks
-        # The restore and the growth past it claim their memory together: a
-        # refusal comes before either, and leaves the cache asleep with its copy.
-        with self._claimed(max(target or 0, sleep.asleep_at or 0)):
-            self._recommit(keep_host_memory=keep_host_memory, staging_bytes=staging_bytes)
-            if target is not None and target > self._committed:
-                self._grow(target)
-        self._sleep = Sleep()
-
-    def _recommit(self, *, keep_host_memory: bool, staging_bytes: int) -> None:
-        asleep_at, backup = self._sleep.asleep_at, self._sleep.backup
-        if asleep_at is None:
-            return
-        if backup is None:
-            self._grow(asleep_at)
-            self._sleep = self._sleep.woken()
-            return
-        self._restore(backup, asleep_at, staging_bytes)
-        self._sleep = self._sleep.woken()
-        if not keep_host_memory:
-            backup.free()
-            return
-        if self.buffers and self.buffers[0][0].device.type == "cuda":
-            backup.pin()
-        self._spare = backup
-
-    def _restore(self, backup: HostBackup, num_blocks: int, staging_bytes: int) -> None:
-        """Commit ``num_blocks`` again, buffer by buffer, and fill each from
-        ``backup`` while the next one commits; all or nothing.
-
-        If a commit or a copy fails, the buffers committed so far are
-        released again: the cache stays asleep with its backup, for a retry.
-        """
-        # Buffer by buffer, but claimed at once: a wake waiting for room
-        # holds none of it, so two engines waking together cannot each hold
-        # half and wait on the other.
-        with self._claimed(num_blocks):
-            restorer = backup.restorer(self._regions(num_blocks), staging_bytes=staging_bytes)
-            committed: list[ExtensibleTensor] = []
-            try:
-                try:
-                    first = 0
-                    for buffer, per_block in self.buffers:
-                        buffer.resize_per_segment_(num_blocks * per_block)
-                        committed.append(buffer)
-                        restorer.copy(range(first, first + buffer.num_segments))
-                        first += buffer.num_segments
-                finally:
-                    restorer.finish()  # no copy may run into memory released below
-            except BaseException:
-                release_physical_all(committed)
-                raise
-        self._committed = num_blocks
-
-    def _claimed(self, num_blocks: int) -> AbstractContextManager[object]:
-        """Claim at once what committing ``num_blocks`` blocks in every
-        buffer will create from here (see
-        :func:`~extensible_kv.tensor.claimed_at_once`)."""
-        return claimed_at_once(
-            [(b, max(num_blocks * per_block, b.bytes_per_segment)) for b, per_block in self.buffers]
+        self._cycle.recommit(
+            keep_host_memory=keep_host_memory, staging_bytes=staging_bytes, num_blocks=num_blocks
         )
-
-    def _drop_backup(self, made: HostBackup | None = None) -> None:
-        """Free the sleep's host copy, the kept one, and ``made`` (a failed sleep's)."""
-        for backup in (self._sleep.backup, self._spare, made):
-            if backup is not None:
-                backup.free()
-        self._sleep, self._spare = self._sleep.without_backup(), None
 
     @property
     def host_backup_bytes(self) -> int:
         """Host memory held for a preserving sleep (while asleep, or kept)."""
-        return sum(b.nbytes for b in (self._sleep.backup, self._spare) if b is not None)
+        return self._cycle.host_backup_bytes
 
     def free(self) -> None:
         """Return all memory and, once their views are gone, the address ranges.
@@ -769,20 +479,15 @@ class KVCacheBuffers:
         refused. Idempotent.
         """
         with self._lock:
-            self._closing = True
-            queue, self._queue = self._queue, None
+            self._commits.close()
         # Not under the lock: the queued commits take it to run.
-        if queue is not None:
-            queue.shutdown(wait=True)
+        self._commits.finish()
         with self._lock:
             self._freed = True
-            for buffer, _ in self.buffers:
-                buffer.free()
-            self.buffers = []
-            self._committed = 0
-            self._registered.clear()
-            self._drop_backup()
-            self._sleep = Sleep()
+            self._lockstep.free()
+            self._registrations.clear()
+            self._cycle.drop_copies()
+            self._cycle.settle()
 
 
 #: vLLM's in-tree name.

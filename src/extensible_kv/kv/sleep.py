@@ -4,8 +4,8 @@ A cache is awake; asleep with its contents discarded; asleep with them kept
 in a host copy (a preserving sleep); or partly awake, after a commit while
 asleep woke only the blocks it asked for, so that the next wake grows it
 back to the count it slept at. :class:`Sleep` holds all of it in one frozen
-value, and each transition below makes the next one:
-:class:`~extensible_kv.kv.KVCacheBuffers` keeps exactly one, so no
+value, and each transition below makes the next one: a cache keeps
+exactly one (in its :class:`~extensible_kv.kv.sleep_wake.SleepWake`), so no
 combination of fields can disagree with another.
 """
 
@@ -34,9 +34,10 @@ class Sleep:
 
     ``asleep_at``: the blocks it held when it went to sleep (None: awake).
     ``backup``: the host copy of them, after a preserving sleep (owned by
-    the cache; None otherwise). ``wake_to``: the block count the next wake
-    grows to, once a commit while asleep woke part of the cache (None: the
-    count slept at); a cache partly awake may sleep again and keep it.
+    the cache's :class:`~extensible_kv.kv.sleep_wake.SleepWake`; None
+    otherwise). ``wake_to``: the block count the next wake grows to, once a
+    commit while asleep woke part of the cache (None: the count slept at);
+    a cache partly awake may sleep again and keep it.
     """
 
     asleep_at: int | None = None
