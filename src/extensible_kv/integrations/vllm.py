@@ -45,21 +45,15 @@ own allocation with one warning.
 
 from __future__ import annotations
 
-import copy as _copy
-import dataclasses
 import logging
-import math
-import os
 import warnings
 from typing import Any
 
-import torch
-
-from extensible_kv import granule_size, unavailable_reason, waiting_for_budget
-from extensible_kv._checks import check_bool, check_int
+from extensible_kv import granule_size, unavailable_reason
+from extensible_kv._checks import check_bool
 from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
 from extensible_kv.kv import KVCache, OnDemandGrowth, allocate_kv_cache, at_capacity
-from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport
+from extensible_kv.kv.elastic import ElasticBlocks
 from extensible_kv.kv.strided import segmentation
 
 check_vllm_version(installed_vllm())
@@ -67,16 +61,20 @@ check_vllm_version(installed_vllm())
 from vllm import envs  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
-from extensible_kv.integrations.vllm_client import client_pid, watch_client  # noqa: E402
-from extensible_kv.integrations.vllm_connectors import release_refusal  # noqa: E402
-from extensible_kv.integrations.vllm_handover import HandOver  # noqa: E402
-from extensible_kv.integrations.vllm_options import (  # noqa: E402
-    GROWTH_MODES,
-    OPTIONS,
-    options_of,
+from extensible_kv.integrations import (  # noqa: E402
+    vllm_commit,
+    vllm_connectors,
+    vllm_sizing,
+    vllm_sleep,
+    vllm_state,
 )
+from extensible_kv.integrations.vllm_client import client_pid, watch_client  # noqa: E402
+from extensible_kv.integrations.vllm_elastic import ElasticSteps  # noqa: E402
+from extensible_kv.integrations.vllm_handover import HandOver  # noqa: E402
+from extensible_kv.integrations.vllm_options import GROWTH_MODES, OPTIONS, options_of  # noqa: E402
 from extensible_kv.integrations.vllm_scheduler import ExtensibleKVScheduler  # noqa: E402
-from extensible_kv.integrations.vllm_steps import ended, scheduled_block_ids  # noqa: E402
+from extensible_kv.integrations.vllm_state import STATE_KEYS  # noqa: E402
+from extensible_kv.integrations.vllm_steps import scheduled_block_ids  # noqa: E402
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _VllmWorker
@@ -85,45 +83,19 @@ else:
 
 logger = logging.getLogger(__name__)
 
-#: What ``extensible_kv_state`` returns per worker (keys users rely on).
-STATE_KEYS = (
-    "reserved_bytes",
-    "committed_bytes",
-    "physical_bytes",
-    "num_blocks_committed",
-    "num_blocks_capacity",
-    "base_ptrs",
-    "asleep",
-    "host_backup_bytes",
-    "growth",
-    "high_water_blocks",
-    "sizing",
-)
-
 __all__ = ["GROWTH_MODES", "OPTIONS", "STATE_KEYS", "ExtensibleKVScheduler", "ExtensibleKVWorker"]
 
 
-def _total_memory(device: torch.device) -> int:
-    """Bytes of memory the device has: what bounds a capacity by default."""
-    if device.type == "cpu":
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(torch.cuda.mem_get_info(device)[1])
-
-
 class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
-    """vLLM's worker with its KV cache on extensible-kv (see the module)."""
+    """vLLM's worker with its KV cache on extensible-kv (see the module). It
+    owns the cache; each idea's rules live in a ``vllm_<idea>`` module beside
+    this one (sizing, commit, connectors, sleep, elastic, state)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._kv: KVCache | None = None
         self._growth: OnDemandGrowth | None = None
-        self._elastic: ElasticBlocks | None = None
-        #: The scheduler's last orders (growth "elastic"), the units the
-        #: scheduler counts as held after them, and the report on them that
-        #: goes back with this step's output.
-        self._orders: ElasticOrders | None = None
-        self._holding: ElasticOrders | None = None
-        self._report: ElasticReport | None = None
+        self._elastic: ElasticSteps | None = None
         self._handover: HandOver | None = None
         #: The measurement that sized the cache (determine_available_memory),
         #: and whether the reservation it made waits for vLLM's final count.
@@ -150,27 +122,10 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     def _growth_mode(self) -> str:
         return str(self._options().get("growth", "static"))
 
-    def _capacity(self, config: Any, bytes_per_block: int) -> int:
-        """Blocks to reserve address space for: the option, else as many as
-        the device's memory holds; never below vLLM's count."""
-        num_blocks = int(config.num_blocks)
-        asked = self._options().get("num_blocks_capacity")
-        if asked is None:
-            capacity = max(num_blocks, _total_memory(self.device) // bytes_per_block)
-            if self._growth_mode() == "elastic":
-                # Every layer's segment starts on a granule, so that a unit
-                # of blocks takes the same granules in each.
-                row = segmentation(config).row_bytes
-                step = granule_size(self.device) // math.gcd(granule_size(self.device), row)
-                capacity = -(-capacity // step) * step
-            return capacity
-        if isinstance(asked, bool) or not isinstance(asked, int) or asked < num_blocks:
-            raise ValueError(
-                f"additional_config['extensible_kv']['num_blocks_capacity'] is {asked!r}, "
-                f"below the {num_blocks} blocks vLLM sized the KV cache to; give an int "
-                f"of at least {num_blocks}"
-            )
-        return asked
+    def _growth_policy(self) -> OnDemandGrowth | ElasticBlocks | None:
+        """What commits the KV cache beyond a prefix: on-demand growth, the
+        elastic units, or None (static growth)."""
+        return self._elastic.blocks if self._elastic is not None else self._growth
 
     # -- sizing from what warm-up used ---------------------------------------------
 
@@ -186,75 +141,30 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         explicit = self.cache_config.kv_cache_memory_bytes is not None
         if explicit or self._has_connector() or unavailable_reason(self.device) is not None:
             return int(super().determine_available_memory())
-        self._reserve_provisional()
-        assert self._kv is not None
-        self._warm_up()
-        budget, used = self._budget_and_used()
-        non_kv = used - self._kv.buffers.physical_bytes
-        available = budget - non_kv
-        warm_up_blocks = self._kv.buffers.num_blocks_committed
-        self._sizing = {
-            "budget_bytes": budget,
-            "non_kv_bytes": non_kv,
-            "available_kv_bytes": available,
-            "warm_up_blocks": warm_up_blocks,
-        }
-        logger.info(
-            "extensible-kv: warm-up ran over %d KV blocks; everything else holds %d bytes, "
-            "so %d of the %d-byte budget go to the KV cache",
-            warm_up_blocks,
-            non_kv,
-            available,
-            budget,
+        # Reserve at the capacity and commit the blocks warm-up needs.
+        self.initialize_from_config(
+            vllm_sizing.warm_up_config(self.vllm_config, self.model_runner.get_kv_cache_spec())
         )
+        assert self._kv is not None
+        vllm_sizing.warm_up(self.model_runner, self.compile_or_warm_up_model)
+        self._sizing = vllm_sizing.measured(*self._budget_and_used(), self._kv.buffers)
         # vLLM's own way out of a KV cache made for profiling: the views go,
         # the reservation stays for the final count.
         self.model_runner._cleanup_profiling_kv_cache()
         self._provisional = True
-        return available
-
-    def _reserve_provisional(self) -> None:
-        """Reserve at the capacity and commit the blocks warm-up needs:
-        one per sequence vLLM may batch, as vLLM's own profiling KV cache."""
-        from vllm.v1.core.kv_cache_utils import (
-            get_kv_cache_config_from_groups,
-            get_kv_cache_groups,
-        )
-
-        groups = get_kv_cache_groups(self.vllm_config, self.model_runner.get_kv_cache_spec())
-        saved = self.cache_config.num_gpu_blocks_override
-        self.cache_config.num_gpu_blocks_override = max(
-            1, self.vllm_config.scheduler_config.max_num_seqs
-        )
-        try:
-            provisional = get_kv_cache_config_from_groups(
-                self.vllm_config, groups, available_memory=0
-            )
-        finally:
-            self.cache_config.num_gpu_blocks_override = saved
-        self.initialize_from_config(provisional)
-
-    def _warm_up(self) -> None:
-        """vLLM's warm-up, over the committed prefix: a dummy forward of the
-        largest batch; on a GPU also compilation and CUDA-graph capture."""
-        if current_platform.is_cpu():
-            self.model_runner.warming_up_model()
-            return
-        self.model_runner.profile_run()
-        self.compile_or_warm_up_model()
+        return self._sizing["available_kv_bytes"]
 
     def _budget_and_used(self) -> tuple[int, int]:
         """The memory vLLM may use (``gpu_memory_utilization`` of the
         device, or of the host's NUMA node) and what this worker uses now,
         in bytes."""
         if current_platform.is_cpu():
-            # What vLLM's CPU worker measures too (psutil is vLLM's dependency).
-            import psutil
-
-            return int(self.requested_cpu_memory), int(psutil.Process().memory_info().rss)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.cache_config.gpu_memory_utilization)
-        return budget, int(self.init_snapshot.free_memory) - int(free)
+            return vllm_sizing.cpu_budget_and_used(int(self.requested_cpu_memory))
+        return vllm_sizing.gpu_budget_and_used(
+            self.device,
+            self.cache_config.gpu_memory_utilization,
+            int(self.init_snapshot.free_memory),
+        )
 
     # -- allocation ----------------------------------------------------------------
 
@@ -283,11 +193,16 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             super().initialize_from_config(kv_cache_config)
             return
         num_blocks = int(kv_cache_config.num_blocks)
-        capacity = self._capacity(kv_cache_config, segmentation(kv_cache_config).size_bytes(1))
+        capacity = vllm_sizing.capacity_blocks(
+            kv_cache_config,
+            segmentation(kv_cache_config).size_bytes(1),
+            self._options().get("num_blocks_capacity"),
+            self._growth_mode(),
+            self.device,
+        )
         layout = at_capacity(kv_cache_config, capacity)
-        # vLLM's views and block tables keep its count; the strides are the capacity's.
-        runner_config = dataclasses.replace(layout, num_blocks=num_blocks)
-        self._check_connector_pool(runner_config)
+        runner_config = vllm_commit.for_runner(layout, num_blocks)
+        vllm_connectors.check_connector_pool(self.vllm_config, runner_config)
         kv = allocate_kv_cache(
             layout,
             device=self.device,
@@ -316,20 +231,14 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         """Commit vLLM's count (with on-demand growth, the first step) and
         let vLLM build and bind its views over the reservation."""
         assert self._kv is not None
-        buffers, num_blocks = self._kv.buffers, int(runner_config.num_blocks)
-        growth = self._growth_mode()
-        if growth == "on_demand":
-            # Memory follows the ids the scheduler hands out (execute_model).
-            self._growth = OnDemandGrowth(buffers, num_blocks)
-            self._growth.start()
-        elif growth == "elastic":
-            # Memory follows the scheduler's orders (execute_model), in
-            # units of granules, not as the prefix the allocation committed.
-            buffers.clear()
-            self._elastic = ElasticBlocks(buffers, num_blocks)
-            self._elastic.start()
-        else:
-            buffers.commit(num_blocks, defragment=self._has_connector())
+        growth = vllm_commit.commit_count(
+            self._kv.buffers,
+            int(runner_config.num_blocks),
+            self._growth_mode(),
+            defragment=self._has_connector(),
+        )
+        self._growth = growth if isinstance(growth, OnDemandGrowth) else None
+        self._elastic = ElasticSteps(growth) if isinstance(growth, ElasticBlocks) else None
         self._handover = HandOver(self._kv.backing[0])
         try:
             super().initialize_from_config(runner_config)
@@ -344,30 +253,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     def _commit_final(self, kv_cache_config: Any) -> None:
         """vLLM's final count, in the reservation the measuring warm-up ran in."""
         assert self._kv is not None
-        num_blocks = int(kv_cache_config.num_blocks)
-        capacity = self._kv.buffers.num_blocks_capacity
-        if num_blocks > capacity:
-            raise ValueError(
-                f"vLLM sized the KV cache to {num_blocks} blocks, past the {capacity} reserved; "
-                f"raise additional_config['extensible_kv']['num_blocks_capacity']"
-            )
-        layout = at_capacity(kv_cache_config, capacity)
-        # What places memory; the engine's settings (layout name, hash
-        # block size) reach the final config only.
-        differ = [
-            name
-            for name in ("kv_cache_tensors", "kv_cache_groups")
-            if getattr(layout, name) != getattr(self._layout, name)
-        ]
-        if differ:
-            raise RuntimeError(
-                f"vLLM's final KV cache layout differs from the one its warm-up ran over "
-                f"({', '.join(differ)}); extensible-kv cannot commit it in the same reservation"
-            )
+        layout = vllm_commit.final_layout(
+            kv_cache_config, self._kv.buffers.num_blocks_capacity, self._layout
+        )
         self._provisional = False
         # Warm-up wrote into its blocks; vLLM's cache starts as zeros.
         self._kv.buffers.clear()
-        self._commit_and_hand_over(dataclasses.replace(layout, num_blocks=num_blocks))
+        self._commit_and_hand_over(vllm_commit.for_runner(layout, int(kv_cache_config.num_blocks)))
         logger.info(
             "extensible-kv: %d blocks committed after warm-up, under the same addresses",
             self._kv.buffers.num_blocks_committed,
@@ -385,66 +277,15 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     def _has_connector(self) -> bool:
         return self.vllm_config.kv_transfer_config is not None
 
-    def _check_connector_pool(self, runner_config: Any) -> None:
-        """Refuse a connector that brings its own KV memory pool (Mooncake's
-        NVLink): vLLM would allocate the cache there, outside our reservation.
-        The connector is made here, as vLLM's worker makes it (once)."""
-        if not self._has_connector():
-            return
-        from vllm.distributed.kv_transfer import (
-            ensure_kv_transfer_initialized,
-            get_kv_transfer_group,
-            has_kv_transfer_group,
-        )
-
-        ensure_kv_transfer_initialized(self.vllm_config, runner_config)
-        if has_kv_transfer_group() and get_kv_transfer_group().get_mem_pool_context() is not None:
-            raise ValueError(
-                f"{self._connector_name()} brings a memory pool of its own for the KV cache; "
-                f"extensible-kv cannot place the cache there (run it without worker_cls)"
-            )
-
     def _connector_name(self) -> str:
-        config = self.vllm_config.kv_transfer_config
-        return f"vLLM KV connector {getattr(config, 'kv_connector', None) or 'configured'}"
+        return vllm_connectors.connector_name(self.vllm_config.kv_transfer_config)
 
     # -- sleep and wake ----------------------------------------------------------
 
-    def _parent_sleeps(self) -> bool:
-        """Whether vLLM's own sleep handles the weights: on a GPU with vLLM's
-        sleep mode on (on CPU, vLLM's sleep does nothing)."""
-        return not current_platform.is_cpu() and bool(
-            self.vllm_config.model_config.enable_sleep_mode
-        )
-
-    def _connector(self) -> Any:
-        """This worker's KV connector, or None."""
-        if not self._has_connector():
-            return None
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        return get_kv_transfer_group() if has_kv_transfer_group() else None
-
     def _release_kv(self, what: str) -> None:
         assert self._kv is not None
-        connector = self._connector()
-        if connector is not None:
-            reason = release_refusal(type(connector), self.vllm_config.kv_transfer_config)
-            if reason is not None:
-                raise RuntimeError(
-                    f"{what} would discard the KV cache, which {self._connector_name()} has "
-                    f"registered for transfers; {reason}. Sleep at level 0, or run without "
-                    f"the connector"
-                )
-            connector.unregister_kv_caches()
-            try:
-                self._kv.buffers.release_physical()
-            except BaseException:
-                connector.restore_kv_caches()  # the memory stayed: so does its registration
-                raise
+        if vllm_sleep.release_kv(self._kv.buffers, self.vllm_config, what):
             self._connector_unregistered = True
-            return
-        self._kv.buffers.release_physical()
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep: at level 1 and 2 the KV cache's physical memory is
@@ -455,7 +296,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             return
         if level >= 1:
             self._release_kv(f"sleep(level={level})")
-        if self._parent_sleeps():
+        if vllm_sleep.parent_sleeps(self.vllm_config):
             super().sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -467,30 +308,19 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if tags is None or "kv_cache" in tags:
             self._wake_kv()
             if self._connector_unregistered:  # the memory is back: register it again
-                self._connector().restore_kv_caches()
+                vllm_connectors.connector_of(self.vllm_config).restore_kv_caches()
                 self._connector_unregistered = False
-        if self._parent_sleeps():
+        if vllm_sleep.parent_sleeps(self.vllm_config):
             super().wake_up(tags)
 
     def _wake_kv(self, wait_s: float | None = None) -> None:
-        """Commit the KV cache again: what it held, or with on-demand growth
-        the first step after a discarding sleep (vLLM reset its prefix cache).
-
-        Under a device budget (``extensible-kv limit``) that another engine
-        fills, the commit waits up to ``wait_s`` seconds (default: the
-        ``budget_wait_s`` option) for room, then raises
-        :class:`~extensible_kv.BudgetExceededError` with the cache still
-        asleep, so a later wake can try again."""
+        """Commit the KV cache again (see :func:`~extensible_kv.integrations.vllm_sleep.wake_kv`),
+        waiting up to ``wait_s`` seconds (default: the ``budget_wait_s``
+        option) for room under a device budget."""
         assert self._kv is not None
         if wait_s is None:
             wait_s = float(self._options().get("budget_wait_s", 0))
-        with waiting_for_budget(wait_s):
-            if self._elastic is not None:
-                self._elastic.wake()
-            elif self._growth is not None:
-                self._growth.wake()
-            else:
-                self._kv.buffers.recommit()
+        vllm_sleep.wake_kv(self._kv.buffers, self._growth_policy(), wait_s)
 
     def discard(self, tags: tuple[str, ...]) -> None:
         """Drop tagged memory without a backup: ``"kv_cache"`` releases the
@@ -529,19 +359,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         """
         check_bool("preserve", preserve)
         kv = self._managed("sleep_kv_cache")
-        if preserve and self._elastic is not None:
-            raise RuntimeError(
-                "sleep_kv_cache(preserve=True) keeps a committed prefix, and growth 'elastic' "
-                "holds scattered units: sleep without preserve (and reset the prefix cache), "
-                "or use growth 'on_demand' or 'static'"
-            )
-        if self._has_connector():
-            raise RuntimeError(
-                f"sleep_kv_cache would release the KV cache, which {self._connector_name()} "
-                f"has registered for transfers; a connector's peers learn of a cache "
-                f"registered again only through vLLM's own wake_up (vLLM 0.33 and later). "
-                f"Use llm.sleep(level=1) there, or run without the connector"
-            )
+        vllm_sleep.check_preserving_sleep(
+            preserve,
+            elastic=self._elastic is not None,
+            connector=self._connector_name() if self._has_connector() else None,
+        )
         kv.buffers.release_physical(preserve=preserve)
 
     def wake_kv_cache(self, wait_s: float | None = None) -> None:
@@ -564,52 +386,17 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         Call it after ``llm.reset_prefix_cache()``: vLLM's prefix cache may
         name any block, and a trimmed block reads zero when it comes back.
         Blocks of running requests are never trimmed (a smaller count is a
-        ValueError naming them).
+        ValueError naming them; see :func:`~extensible_kv.integrations.vllm_sleep.blocks_in_use`).
         """
         self._managed("trim_kv_cache")
-        if self._elastic is not None:
-            raise RuntimeError(
-                "trim_kv_cache is for growth 'on_demand': with growth 'elastic' the scheduler "
-                "gives memory back by itself, within a step of the load falling"
-            )
-        if self._growth is None:
-            raise RuntimeError(
-                "trim_kv_cache needs additional_config={'extensible_kv': {'growth': "
-                "'on_demand'}}: with static growth vLLM may use every block it was given"
-            )
-        in_use = self._blocks_in_use()
-        if num_blocks is None:
-            num_blocks = in_use
-        check_int("num_blocks", num_blocks)
-        if num_blocks < in_use:
-            raise ValueError(
-                f"trim_kv_cache({num_blocks}) would drop blocks that running requests "
-                f"use (up to block {in_use - 1}); keep at least {in_use}"
-            )
-        return self._growth.trim(num_blocks)
-
-    def _blocks_in_use(self) -> int:
-        """One past the highest block id of the requests still running.
-
-        vLLM's runner lists a finished request until the next step tells it
-        so (``finished_req_ids``), and an engine stepped in-process takes no
-        step after ``generate`` returns: a request whose last token ended
-        it (its ``max_tokens``, the model's length, a stop token) is not
-        counted. (One ended by a stop string, which the front end finds,
-        still counts until the next step: the trim is then refused, never
-        wrong.)"""
-        requests = getattr(self.model_runner, "requests", {})
-        max_len = int(self.vllm_config.model_config.max_model_len)
-        return 1 + max(
-            (
-                i
-                for state in requests.values()
-                if not ended(state, max_len)
-                for group in state.block_ids
-                for i in group
-            ),
-            default=-1,
+        growth = vllm_sleep.trimmable(self._growth, elastic=self._elastic is not None)
+        in_use = vllm_sleep.blocks_in_use(
+            getattr(self.model_runner, "requests", {}),
+            int(self.vllm_config.model_config.max_model_len),
         )
+        return vllm_sleep.trim_to(growth, num_blocks, in_use)
+
+    # -- the step ------------------------------------------------------------------
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's step, after committing the blocks it is about to use (with
@@ -626,18 +413,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         return self._with_report(super().sample_tokens(*args, **kwargs))
 
     def _with_report(self, output: Any) -> Any:
-        """``output`` carrying the report on this step's orders to the
-        scheduler (a copy: vLLM reuses one empty output for every empty step)."""
-        if output is None or self._report is None:
-            return output
-        output = _copy.copy(output)
-        output.extensible_kv, self._report = self._report, None
-        return output
+        """``output``, with elastic growth carrying the report on this step's orders."""
+        return output if self._elastic is None else self._elastic.with_report(output)
 
     def _before_step(self, scheduler_output: Any) -> None:
         assert self._kv is not None
         if self._elastic is not None and scheduler_output is not None:
-            self._before_elastic_step(scheduler_output)
+            self._elastic.before_step(scheduler_output, self._wake_before_step)
             return
         if self._kv.buffers.released:
             self._wake_before_step()
@@ -653,114 +435,16 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         )
         self._wake_kv()
 
-    def _before_elastic_step(self, scheduler_output: Any) -> None:
-        """Hold what the scheduler's orders say before the step runs. An
-        empty step while asleep only records them (the wake commits unit 0,
-        the next orders the rest)."""
-        assert self._kv is not None
-        assert self._elastic is not None
-        orders: ElasticOrders | None = getattr(scheduler_output, "extensible_kv", None)
-        if orders is not None:
-            self._orders = orders
-            if self._kv.buffers.released:
-                # Asleep: what the wake must come back to is these orders.
-                self._holding = dataclasses.replace(orders, wanted=())
-        if self._kv.buffers.released:
-            if not scheduler_output.total_num_scheduled_tokens:
-                if orders is not None:
-                    self._report = ElasticReport(orders.seq, 0)
-                return
-            self._wake_before_step()
-        if orders is not None:
-            self._report = self._agreed(self._elastic.apply(orders))
-            # What the scheduler counts once it reads the report: the held
-            # units and the wanted ones granted.
-            self._holding = dataclasses.replace(orders, held=self._elastic.held_units, wanted=())
-        elif self._holding is not None and not self._elastic.holds_units(self._holding.held):
-            # Woken since: commit what the scheduler counts again.
-            self._elastic.apply(self._holding)
-        used = scheduled_block_ids(scheduler_output)
-        if not self._elastic.holds(used):
-            raise RuntimeError(
-                f"vLLM scheduled blocks outside the units the scheduler ordered "
-                f"({sorted(set(used))[:8]}...); run growth 'elastic' with "
-                f"scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'"
-            )
-
-    def _agreed(self, report: ElasticReport) -> ElasticReport:
-        """With tensor parallelism, the fewest units any rank got: every rank
-        keeps that many, so the ranks hold the same blocks."""
-        from vllm.distributed.parallel_state import get_tp_group
-
-        assert self._elastic is not None
-        assert self._orders is not None
-        group = get_tp_group()
-        if group.world_size == 1 or not self._orders.wanted:
-            return report
-        import torch.distributed as dist
-
-        granted = torch.tensor([report.granted], dtype=torch.int64)
-        dist.all_reduce(granted, op=dist.ReduceOp.MIN, group=group.cpu_group)
-        agreed = int(granted.item())
-        if agreed < report.granted:
-            wanted = [u for lo, hi in self._orders.wanted for u in range(lo, hi)]
-            self._elastic.give_back(wanted[agreed : report.granted])
-        return ElasticReport(report.seq, agreed)
-
     # -- inspection ----------------------------------------------------------------
 
     def extensible_kv_state(self) -> dict[str, Any]:
-        """This worker's KV cache, for ``llm.collective_rpc("extensible_kv_state")``.
-
-        Keys: ``reserved_bytes`` (address space), ``committed_bytes`` (the
-        committed blocks' bytes), ``physical_bytes`` (memory held, whole
-        granules), ``num_blocks_committed``, ``num_blocks_capacity``,
-        ``base_ptrs`` (one address per backing buffer), ``asleep`` and
-        ``host_backup_bytes`` (host memory holding a preserving sleep's
-        copy), ``growth`` (``"static"``, ``"on_demand"`` or ``"elastic"``;
-        with ``"elastic"`` ``num_blocks_committed`` counts the blocks of the
-        units held) and
-        ``high_water_blocks`` (the most blocks committed at once),
-        ``sizing`` (None with an explicit KV size; else what warm-up
-        measured: ``budget_bytes``, ``non_kv_bytes``, ``available_kv_bytes``,
-        ``warm_up_blocks``); and
-        ``enabled``, False where the worker fell back to vLLM's allocation
-        (every figure then 0).
-        """
+        """This worker's KV cache, for ``llm.collective_rpc("extensible_kv_state")``:
+        :data:`STATE_KEYS` (bytes, blocks, addresses, ``asleep``, ``growth``,
+        ``sizing``; each told at :func:`~extensible_kv.integrations.vllm_state.kv_state`)
+        and ``enabled``, False where the worker fell back to vLLM's
+        allocation (every figure then 0)."""
         if self._kv is None:
-            fallback: dict[str, Any] = {key: 0 for key in STATE_KEYS}
-            return {
-                **fallback,
-                "base_ptrs": [],
-                "asleep": False,
-                "growth": "static",
-                "sizing": None,
-                "enabled": False,
-            }
-        buffers = self._kv.buffers
-        held = None if self._elastic is None else self._elastic.num_blocks_held
-        return {
-            "reserved_bytes": buffers.reserved_bytes,
-            "committed_bytes": (
-                buffers.committed_bytes if held is None else held * buffers.bytes_per_block
-            ),
-            "physical_bytes": buffers.physical_bytes,
-            "num_blocks_committed": buffers.num_blocks_committed if held is None else held,
-            "num_blocks_capacity": buffers.num_blocks_capacity,
-            "base_ptrs": buffers.base_ptrs,
-            "asleep": buffers.released,
-            "host_backup_bytes": buffers.host_backup_bytes,
-            "growth": self._growth_mode(),
-            "high_water_blocks": self._high_water(),
-            "sizing": self._sizing,
-            "enabled": True,
-        }
-
-    def _high_water(self) -> int:
-        """The most blocks committed at once so far."""
-        if self._elastic is not None:
-            return self._elastic.high_water
-        if self._growth is not None:
-            return self._growth.high_water
-        assert self._kv is not None
-        return self._kv.buffers.num_blocks_committed
+            return vllm_state.fallback_state()
+        return vllm_state.kv_state(
+            self._kv.buffers, self._growth_policy(), self._growth_mode(), self._sizing
+        )

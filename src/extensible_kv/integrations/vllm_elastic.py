@@ -1,0 +1,102 @@
+"""The worker's side of ``growth: "elastic"``: before each vLLM step, hold
+what the scheduler's orders say (:class:`~extensible_kv.kv.elastic.ElasticOrders`,
+on the step's ``SchedulerOutput``), and answer with a report
+(:class:`~extensible_kv.kv.elastic.ElasticReport`) on the step's output. The
+scheduler's side is :mod:`extensible_kv.integrations.vllm_scheduler`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from extensible_kv.integrations.vllm_steps import scheduled_block_ids
+from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport
+
+__all__ = ["ElasticSteps"]
+
+
+class ElasticSteps:
+    """Applies the scheduler's orders to a worker's elastic KV memory, step
+    by step, and keeps the report on them until the step's output takes it.
+
+    Args:
+        blocks: the units of blocks held (committed in the worker's KV
+            cache); this object orders them, the worker owns the cache.
+    """
+
+    def __init__(self, blocks: ElasticBlocks) -> None:
+        self.blocks = blocks
+        #: The scheduler's last orders, the units the scheduler counts as
+        #: held after them, and the report on them that goes back with this
+        #: step's output.
+        self.orders: ElasticOrders | None = None
+        self.holding: ElasticOrders | None = None
+        self.report: ElasticReport | None = None
+
+    def with_report(self, output: Any) -> Any:
+        """``output`` (a step's, from vLLM's runner) carrying the report on
+        this step's orders to the scheduler, once; ``output`` itself when
+        there is none. The report goes on a copy: vLLM reuses one empty
+        output for every empty step."""
+        if output is None or self.report is None:
+            return output
+        output = copy.copy(output)
+        output.extensible_kv, self.report = self.report, None
+        return output
+
+    def before_step(self, scheduler_output: Any, wake: Callable[[], None]) -> None:
+        """Hold what the scheduler's orders say before the step runs. An
+        empty step while asleep only records them (the wake commits unit 0,
+        the next orders the rest); a step with tokens while asleep calls
+        ``wake`` (the worker's, which commits the cache again) first."""
+        released = self.blocks.buffers.released
+        orders: ElasticOrders | None = getattr(scheduler_output, "extensible_kv", None)
+        if orders is not None:
+            self.orders = orders
+            if released:
+                # Asleep: what the wake must come back to is these orders.
+                self.holding = dataclasses.replace(orders, wanted=())
+        if released:
+            if not scheduler_output.total_num_scheduled_tokens:
+                if orders is not None:
+                    self.report = ElasticReport(orders.seq, 0)
+                return
+            wake()
+        if orders is not None:
+            self.report = self._agreed(self.blocks.apply(orders))
+            # What the scheduler counts once it reads the report: the held
+            # units and the wanted ones granted.
+            self.holding = dataclasses.replace(orders, held=self.blocks.held_units, wanted=())
+        elif self.holding is not None and not self.blocks.holds_units(self.holding.held):
+            # Woken since: commit what the scheduler counts again.
+            self.blocks.apply(self.holding)
+        used = scheduled_block_ids(scheduler_output)
+        if not self.blocks.holds(used):
+            raise RuntimeError(
+                f"vLLM scheduled blocks outside the units the scheduler ordered "
+                f"({sorted(set(used))[:8]}...); run growth 'elastic' with "
+                f"scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'"
+            )
+
+    def _agreed(self, report: ElasticReport) -> ElasticReport:
+        """With tensor parallelism, the fewest units any rank got: every rank
+        keeps that many, so the ranks hold the same blocks."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        assert self.orders is not None
+        group = get_tp_group()
+        if group.world_size == 1 or not self.orders.wanted:
+            return report
+        import torch.distributed as dist
+
+        granted = torch.tensor([report.granted], dtype=torch.int64)
+        dist.all_reduce(granted, op=dist.ReduceOp.MIN, group=group.cpu_group)
+        agreed = int(granted.item())
+        if agreed < report.granted:
+            wanted = [u for lo, hi in self.orders.wanted for u in range(lo, hi)]
+            self.blocks.give_back(wanted[agreed : report.granted])
+        return ElasticReport(report.seq, agreed)
