@@ -14,12 +14,7 @@ MAX_LINES = 500
 #: Modules exempt from MAX_LINES: the command line and the benchmarks.
 EXEMPT = ("cli.py", "bench/")
 #: Modules over MAX_LINES, each with the most lines it may keep until split.
-LONG_MODULES = {
-    "tensor.py": 963,
-    "buffer/virtual.py": 627,
-    "integrations/vllm.py": 766,
-    "kv/buffers.py": 789,
-}
+LONG_MODULES: dict[str, int] = {}
 #: What the layers above the driver may not name: adaptors are invisible there.
 ADAPTOR_WORDS = re.compile(r"PoolingDriver|BudgetDriver|prepaid|drain")
 #: Lines naming an adaptor in those layers, per module, until they go through
