@@ -103,7 +103,7 @@ def test_hybrid_attention_is_block_major_with_adjacent_k_and_v(
     assert isinstance(attn, torch.Tensor)
     assert attn.shape == (2, CAPACITY, 16, 2, 64)
     assert attn.stride()[:2] == (HIDDEN, 2 * HIDDEN)
-    assert cache.buffers.buffers[0][0].num_segments == 1
+    assert cache.buffers.tensors[0][0].num_segments == 1
     states = cache.views["ssm"]
     assert isinstance(states, list)
     assert [s.shape for s in states] == [(CAPACITY, 4, 32), (CAPACITY, 8, 16)]
@@ -132,7 +132,7 @@ def test_packed_rows_hold_several_layers(stats: StatisticsDriver, device: str) -
         (KVCacheGroup(("a", "b"), SPEC),),
     )
     cache = allocate_kv_cache(cfg, BlockMajorBackend, device, driver=stats)
-    assert len(cache.buffers.buffers) == 1, "packed tensors share one buffer"
+    assert len(cache.buffers.tensors) == 1, "packed tensors share one buffer"
     a, b = cache.views["a"], cache.views["b"]
     assert isinstance(a, torch.Tensor)
     assert isinstance(b, torch.Tensor)

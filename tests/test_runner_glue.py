@@ -57,7 +57,7 @@ def test_the_final_commit_holds_exactly_the_size_for_a_connector(
     kv = allocate_kv_cache(config(), KVSplitBackend, device, shareable=True, driver=stats)
     kv.buffers.ensure_blocks(CAPACITY)
     assert commit_final_size(kv.buffers, 500, connector=True) == 500
-    assert all(in_one_chunk_per_segment(buffer) for buffer, _ in kv.buffers.buffers)
+    assert all(in_one_chunk_per_segment(buffer) for buffer, _ in kv.buffers.tensors)
     plain = allocate_kv_cache(config(), KVSplitBackend, device, driver=stats)
     plain.buffers.ensure_blocks(CAPACITY)
     assert commit_final_size(plain.buffers, 500) == CAPACITY, "without a connector, kept"

@@ -72,7 +72,7 @@ def test_committed_blocks_follow_vllms_formula_and_grow_in_place(
         base = kv.buffers.base_ptrs[0]
         assert full.dtype == torch.int8
         assert full.data_ptr() == base
-        ((buffer, _),) = kv.buffers.buffers
+        ((buffer, _),) = kv.buffers.tensors
         committed = 0
         for count in sorted(set(counts)):
             kv.buffers.commit(count)

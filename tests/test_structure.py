@@ -1,11 +1,13 @@
 """docs/design.md's structural rules, checked on the sources as they stand:
-no module over 500 lines, ``driver/`` never importing ``budget/``, and the
-layers above the driver never naming an adaptor. What breaks a rule today is
+no module over 500 lines, ``driver/`` never importing ``budget/``, the
+layers above the driver never naming an adaptor, and no module reading
+another package's private names. What breaks a rule today is
 listed with its size; the lists may only shrink (each entry names what is
 left to do), and nothing new may join them."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -52,6 +54,59 @@ def test_the_buffer_tensor_and_kv_layers_name_adaptors_only_where_listed() -> No
     found = {
         name: sum(1 for line in text.splitlines() if ADAPTOR_WORDS.search(line))
         for name, text in modules().items()
-        if name == "tensor.py" or name.startswith(("buffer/", "tensor/", "kv/"))
+        if name.startswith(("buffer/", "tensor/", "kv/"))
     }
     assert {name: count for name, count in found.items() if count} == ADAPTOR_MENTIONS
+
+
+def _package(name: str) -> str:
+    return name.split("/")[0]
+
+
+def _private_names_by_package() -> dict[str, set[str]]:
+    """Each private name (``_x``, not dunder) a class defines, as a method or
+    as an attribute set on ``self``, with the packages defining it."""
+    defined: dict[str, set[str]] = {}
+    for name, text in modules().items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and _is_private(node.name):
+                defined.setdefault(node.name, set()).add(_package(name))
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and _is_private(node.attr)
+            ):
+                defined.setdefault(node.attr, set()).add(_package(name))
+    return defined
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_reads_the_private_names_of_another_package() -> None:
+    """A package's modules share its internals (a buffer's chunks, a
+    tensor's committed size); across packages only public names are used."""
+    defined = _private_names_by_package()
+    found = []
+    for name, text in modules().items():
+        tree = ast.parse(text)
+        imported = {
+            alias.asname or alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in {"self", "cls", *imported}:
+                continue
+            owners = defined.get(node.attr, set())
+            if owners and _package(name) not in owners:
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert found == []

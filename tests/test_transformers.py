@@ -272,10 +272,10 @@ def test_early_initialization_reserves_and_commits_nothing(real_device: str) -> 
     heads, dim = config.num_key_value_heads, config.head_dim
     cache.early_initialization(2, heads, dim, torch.float32, torch.device(real_device))
     assert cache.physical_bytes == 0
-    reserved = [buffer.base_ptr for buffer, _ in cache.buffers.buffers]
+    reserved = [buffer.base_ptr for buffer, _ in cache.buffers.tensors]
     assert len(reserved) == 2 * config.num_hidden_layers
     assert torch.equal(generate(model, cache, ids, mask, max_new_tokens=10), expected)
-    assert [buffer.base_ptr for buffer, _ in cache.buffers.buffers] == reserved
+    assert [buffer.base_ptr for buffer, _ in cache.buffers.tensors] == reserved
     assert [layer.keys.data_ptr() for layer in cache.layers] == reserved[::2]
     cache.free()
 
@@ -304,7 +304,7 @@ def test_a_layer_that_cannot_reserve_leaves_nothing_behind() -> None:
     faulty.fail_at("reserve", nth=2)
     with pytest.raises(Exception, match="injected"):
         generate(model, cache, ids, mask, max_new_tokens=4)
-    assert len(cache.buffers.buffers) == 0
+    assert len(cache.buffers.tensors) == 0
     assert stats.live.reservations == 0
     cache.free()
 
@@ -384,7 +384,7 @@ def test_a_compiled_decode_step_is_one_graph_replayed_as_the_cache_grows(
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
     assert len({p for _, _, p in seen}) == 1, "keys and values never moved"
-    granule = cache.buffers.buffers[0][0].buffer.granularity
+    granule = cache.buffers.tensors[0][0].buffer.granularity
     tensors = 2 * model.config.num_hidden_layers
     for tokens, physical, _ in seen:
         dynamic = tensors * tokens * 2 * 2 * 64 * 4

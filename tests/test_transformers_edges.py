@@ -316,7 +316,7 @@ def test_a_reset_during_a_preserving_sleep_forgets(static_shapes: bool) -> None:
     step(cache, one)
     step(fresh, one)
     assert cache.physical_bytes == fresh.physical_bytes
-    for tensor, row in cache.buffers.buffers:
+    for tensor, row in cache.buffers.tensors:
         committed = tensor.full_view()[row : tensor.bytes_per_segment]
         assert int(committed.count_nonzero()) == 0, "no old token came back"
     cache.recommit()

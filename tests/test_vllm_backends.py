@@ -80,7 +80,7 @@ def test_vllm_signatures_are_called_the_way_vllm_calls_them(
     assert view.shape == (2, CAPACITY, 16, 2, 64)
     assert ("block_dim", 16, "auto") in VllmSplitBackend.calls
     assert ("shape", 16, "auto") in VllmSplitBackend.calls
-    assert cache.buffers.buffers[0][0].num_segments == 2
+    assert cache.buffers.tensors[0][0].num_segments == 2
     cache.free()
 
 
@@ -138,7 +138,7 @@ def test_kernel_blocks_split_each_block(stats: StatisticsDriver, device: str, ba
     block_dim = 0 if backend is PlainBackend else 1
     assert view.shape[block_dim] == CAPACITY * ratio
     assert 16 // ratio in view.shape
-    ((buffer, per_block),) = cache.buffers.buffers
+    ((buffer, per_block),) = cache.buffers.tensors
     assert per_block * buffer.num_segments == SPEC.page_size_bytes, "bytes per block unchanged"
 
     n = 300
@@ -225,5 +225,5 @@ def test_a_base_class_that_raises_not_implemented_means_the_default(
     view = cache.views["a"]
     assert isinstance(view, torch.Tensor)
     assert view.shape == (2, CAPACITY, 16, 2, 64)
-    assert cache.buffers.buffers[0][0].num_segments == 2
+    assert cache.buffers.tensors[0][0].num_segments == 2
     cache.free()

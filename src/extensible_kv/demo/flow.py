@@ -150,7 +150,7 @@ class _Timeline:
             Phase(
                 name,
                 time.perf_counter() - self._start,
-                sum(buffer.capacity_bytes for buffer, _ in buffers.buffers),
+                sum(tensor.capacity_bytes for tensor, _ in buffers.tensors),
                 buffers.num_blocks_committed * buffers.bytes_per_block,
                 buffers.physical_bytes,
                 device_used_bytes(self.device),

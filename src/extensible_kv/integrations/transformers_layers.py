@@ -75,11 +75,11 @@ class Lockstep:
         positions committed without a call.
         """
         self.wake()
-        if num_tokens <= self.buffers.num_blocks_committed or not self.buffers.buffers:
+        if num_tokens <= self.buffers.num_blocks_committed or not self.buffers.tensors:
             return
         fits = min(
-            round_up(num_tokens * row, buffer.buffer.granularity) // row
-            for buffer, row in self.buffers.buffers
+            round_up(num_tokens * row, tensor.buffer.granularity) // row
+            for tensor, row in self.buffers.tensors
         )
         self.buffers.commit(min(self.buffers.num_blocks_capacity, max(num_tokens, fits)))
 
@@ -96,7 +96,7 @@ class Lockstep:
         sleeping one (touching released memory is SIGSEGV on the host and an
         illegal address on a GPU)."""
         self.check_alive()
-        if self.buffers.released:
+        if self.buffers.asleep:
             self.buffers.recommit()
 
     def forget(self, num_tokens: int) -> None:
@@ -105,7 +105,7 @@ class Lockstep:
         reads every position)."""
         if num_tokens < self.tokens:
             self.wake()
-            for tensor, row in self.buffers.buffers:
+            for tensor, row in self.buffers.tensors:
                 tensor.full_view()[num_tokens * row : self.tokens * row].zero_()
         self.set_tokens(num_tokens)
 
@@ -118,7 +118,7 @@ class Lockstep:
     def release_idle(self) -> None:
         """Give back the memory the buffers' driver stacks keep idle for reuse."""
         drivers = {
-            id(tensor.buffer.driver): tensor.buffer.driver for tensor, _ in self.buffers.buffers
+            id(tensor.buffer.driver): tensor.buffer.driver for tensor, _ in self.buffers.tensors
         }
         for driver in drivers.values():
             driver.release_idle()

@@ -421,7 +421,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if self._elastic is not None and scheduler_output is not None:
             self._elastic.before_step(scheduler_output, self._wake_before_step)
             return
-        if self._kv.buffers.released:
+        if self._kv.buffers.asleep:
             self._wake_before_step()
         if self._growth is not None and scheduler_output is not None:
             self._growth.ensure(scheduled_block_ids(scheduler_output))

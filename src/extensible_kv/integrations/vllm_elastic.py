@@ -53,7 +53,7 @@ class ElasticSteps:
         empty step while asleep only records them (the wake commits unit 0,
         the next orders the rest); a step with tokens while asleep calls
         ``wake`` (the worker's, which commits the cache again) first."""
-        released = self.blocks.buffers.released
+        released = self.blocks.buffers.asleep
         orders: ElasticOrders | None = getattr(scheduler_output, "extensible_kv", None)
         if orders is not None:
             self.orders = orders

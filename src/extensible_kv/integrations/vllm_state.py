@@ -75,7 +75,7 @@ def kv_state(
         "num_blocks_committed": buffers.num_blocks_committed if held is None else held,
         "num_blocks_capacity": buffers.num_blocks_capacity,
         "base_ptrs": buffers.base_ptrs,
-        "asleep": buffers.released,
+        "asleep": buffers.asleep,
         "host_backup_bytes": buffers.host_backup_bytes,
         "growth": mode,
         # The most blocks committed at once so far.

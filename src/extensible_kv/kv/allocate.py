@@ -62,7 +62,7 @@ class KVCache:
         """Each buffer's whole reservation as one int8 tensor (vLLM 0.32's
         backing buffer, for its ``create_kv_cache_views``); touch only
         committed blocks. The cache keeps owning the memory."""
-        return [buffer.full_view().view(torch.int8) for buffer, _ in self.buffers.buffers]
+        return [tensor.full_view().view(torch.int8) for tensor, _ in self.buffers.tensors]
 
     def narrowed_views(self, num_blocks: int | None = None) -> dict[str, LayerView]:
         """Views trimmed to the first ``num_blocks`` (default: the committed)

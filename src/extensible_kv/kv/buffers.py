@@ -1,8 +1,8 @@
 """KVCacheBuffers: every KV cache tensor of an engine, committed in lockstep by blocks.
 
 The cache checks each call and runs it under its lock, in the order issued;
-the work is done by parts it owns, one idea each: its buffers and the blocks
-they hold (``kv/lockstep.py``; who may join, ``kv/members.py``), growth,
+the work is done by parts it owns, one idea each: its tensors and the blocks
+they hold (``kv/block_tensors.py``; who may join, ``kv/members.py``), growth,
 trim and defragment (``kv/resize.py``), sleep and wake with their host
 copies (``kv/sleep_wake.py``), KV connector registrations
 (``kv/registrations.py``) and background commits (``kv/commit_queue.py``).
@@ -10,11 +10,10 @@ copies (``kv/sleep_wake.py``), KV connector registrations
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 
@@ -22,9 +21,9 @@ from extensible_kv._checks import check_bool, check_int
 from extensible_kv.budget.publish import register_cache
 from extensible_kv.kv import members
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
-from extensible_kv.kv.commit_queue import CommitQueue
+from extensible_kv.kv.block_tensors import BlockTensors
+from extensible_kv.kv.commit_queue import CommitQueue, serialized
 from extensible_kv.kv.commit_ticket import CommitTicket
-from extensible_kv.kv.lockstep import Lockstep
 from extensible_kv.kv.registrations import ConnectorRegistrationWarning, Registrations
 from extensible_kv.kv.resize import Resizer
 from extensible_kv.kv.sleep import Sleep, SleepState
@@ -38,37 +37,18 @@ from extensible_kv.tensor import (
 
 __all__ = ["ConnectorRegistrationWarning", "ExtensibleKVCacheBuffers", "KVCacheBuffers"]
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _serialized(method: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run a public method after the commits queued by ``commit_async`` and
-    under the cache's lock. Internal calls use the undecorated bodies, so
-    nothing waits while holding the lock."""
-
-    @functools.wraps(method)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        cache = args[0]
-        assert isinstance(cache, KVCacheBuffers)
-        cache._commits.wait()
-        with cache._lock:
-            return method(*args, **kwargs)
-
-    return wrapper
-
 
 def _published(cache: KVCacheBuffers) -> dict[str, Any] | None:
     """What ``extensible-kv top`` shows of a KV cache."""
-    if cache._freed or not cache.buffers:
+    if cache._freed or not cache.tensors:
         return None
     return published_figures(
-        cache.buffers[0][0],
+        cache.tensors[0][0],
         "KVCacheBuffers",
         reserved_bytes=cache.reserved_bytes,
         committed_bytes=cache.committed_bytes,
         physical_bytes=cache.physical_bytes,
-        asleep=cache.released,
+        asleep=cache.asleep,
         blocks=cache.num_blocks_committed,
         capacity_blocks=cache.num_blocks_capacity,
     )
@@ -79,14 +59,15 @@ class KVCacheBuffers:
     cache tensor, each holding ``num_blocks`` blocks of
     ``bytes_per_block_per_segment`` bytes in every segment.
 
-    Every operation is all or nothing across the buffers: if buffer 7 of 40
-    cannot commit, buffers 0 to 6 are rolled back too. Base pointers, views
+    Every operation is all or nothing across the tensors: if tensor 7 of 40
+    cannot commit, tensors 0 to 6 are rolled back too. Base pointers, views
     and captured CUDA graphs stay valid through commit, release and recommit.
 
     Args:
         buffers: ``(ExtensibleTensor, bytes_per_block_per_segment)`` pairs
-            (vLLM's signature); the KV cache owns the tensors from now on.
-        num_blocks_capacity: blocks every buffer has address space for.
+            (vLLM's signature and name); the KV cache owns the tensors from
+            now on, as :attr:`tensors`.
+        num_blocks_capacity: blocks every tensor has address space for.
     """
 
     def __init__(
@@ -96,23 +77,23 @@ class KVCacheBuffers:
         if num_blocks_capacity < 1:
             raise ValueError(f"num_blocks_capacity must be positive, got {num_blocks_capacity}")
         self.num_blocks_capacity = num_blocks_capacity
-        self._lockstep = Lockstep()
-        self._cycle = SleepWake(self._lockstep)
+        self._blocks = BlockTensors()
+        self._cycle = SleepWake(self._blocks)
         self._registrations = Registrations()
-        self._resizer = Resizer(self._lockstep, self._cycle, self._registrations)
+        self._resizer = Resizer(self._blocks, self._cycle, self._registrations)
         self._lock = threading.RLock()
         self._commits = CommitQueue(self._lock)
         self._wait_streams: tuple[int, ...] | None = None
         self._freed = False
-        for buffer, bytes_per_block in members.as_pairs(buffers):
-            members.check_joining(buffer, bytes_per_block, num_blocks_capacity, self.buffers)
-            self._lockstep.append(buffer, bytes_per_block)
-            buffer.publish_within(self)
+        for tensor, bytes_per_block in members.as_pairs(buffers):
+            members.check_joining(tensor, bytes_per_block, num_blocks_capacity, self.tensors)
+            self._blocks.append(tensor, bytes_per_block)
+            tensor.publish_within(self)
         register_cache(self, _published)
 
     def __repr__(self) -> str:
         return (
-            f"KVCacheBuffers({len(self.buffers)} buffers, {self.num_blocks_committed}/"
+            f"KVCacheBuffers({len(self.tensors)} tensors, {self.num_blocks_committed}/"
             f"{self.num_blocks_capacity} blocks, {self.physical_bytes} physical bytes, "
             f"{self.state.value})"
         )
@@ -124,10 +105,15 @@ class KVCacheBuffers:
             raise ValueError(f"the KV cache has been freed; {what} is no longer possible")
 
     @property
-    def buffers(self) -> list[tuple[ExtensibleTensor, int]]:
+    def tensors(self) -> list[tuple[ExtensibleTensor, int]]:
         """The ``(ExtensibleTensor, bytes_per_block_per_segment)`` pairs, in
         the order they joined (empty once freed)."""
-        return self._lockstep.members
+        return self._blocks.members
+
+    @property
+    def buffers(self) -> list[tuple[ExtensibleTensor, int]]:
+        """:attr:`tensors` by vLLM's name for them."""
+        return self.tensors
 
     @property
     def _sleep(self) -> Sleep:
@@ -142,13 +128,19 @@ class KVCacheBuffers:
 
     @property
     def num_blocks_committed(self) -> int:
-        """Blocks backed by physical memory now (0 while released)."""
-        return self._lockstep.committed
+        """Blocks backed by physical memory now (0 while asleep)."""
+        return self._blocks.committed
+
+    @property
+    def asleep(self) -> bool:
+        """True between :meth:`release_physical` and :meth:`recommit` (the
+        cache's sleep; see :attr:`state` for what it kept)."""
+        return self._sleep.asleep
 
     @property
     def released(self) -> bool:
-        """True while asleep: between :meth:`release_physical` and :meth:`recommit`."""
-        return self._sleep.asleep
+        """:attr:`asleep`, by the name of the call that puts it to sleep."""
+        return self.asleep
 
     @property
     def state(self) -> SleepState:
@@ -158,49 +150,52 @@ class KVCacheBuffers:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across all buffers and segments (before
+        """Bytes one block takes across all tensors and segments (before
         rounding to granules): what sizing divides the budget by."""
-        return sum(buffer.num_segments * per_block for buffer, per_block in self.buffers)
+        return sum(tensor.num_segments * per_block for tensor, per_block in self.tensors)
 
     @property
     def blocks_per_granule(self) -> int:
-        """Blocks one granule holds in the buffer whose blocks are largest
+        """Blocks one granule holds in the tensor whose blocks are largest
         (at least 1): the step a growth that follows the load commits in,
-        since a commit maps whole granules anyway (0 with no buffer)."""
+        since a commit maps whole granules anyway (0 with no tensor)."""
         steps = [
-            max(1, buffer.buffer.granularity // per_block) for buffer, per_block in self.buffers
+            max(1, tensor.buffer.granularity // per_block) for tensor, per_block in self.tensors
         ]
         return min(steps, default=0)
 
     @property
     def physical_bytes(self) -> int:
-        """Physical memory held, summed over buffers (whole granules)."""
-        return self._lockstep.physical_bytes
+        """Physical memory held, summed over tensors (whole granules)."""
+        return self._blocks.physical_bytes
 
     @property
     def reserved_bytes(self) -> int:
-        """Address space reserved, summed over buffers (whole granules)."""
-        return sum(buffer.capacity_bytes for buffer, _ in self.buffers)
+        """Address space reserved, summed over tensors (whole granules)."""
+        return sum(tensor.capacity_bytes for tensor, _ in self.tensors)
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of the committed blocks, summed over buffers and segments,
-        before rounding to granules (0 while released)."""
-        return sum(buffer.num_bytes for buffer, _ in self.buffers)
+        """Bytes of the committed blocks, summed over tensors and segments,
+        before rounding to granules (0 while asleep)."""
+        return sum(tensor.num_bytes for tensor, _ in self.tensors)
 
     @property
     def base_ptrs(self) -> list[int]:
-        """Each buffer's base address, in order: constant until :meth:`free`."""
-        return [buffer.base_ptr for buffer, _ in self.buffers]
+        """Each tensor's base address, in order: constant until :meth:`free`."""
+        return [tensor.base_ptr for tensor, _ in self.tensors]
 
     def _check_awake(self, what: str) -> None:
         self._check_alive(what)
-        if self.released:
-            raise ValueError(f"the KV cache is released (asleep); call recommit() before {what}")
+        if self.asleep:
+            raise ValueError(
+                f"the KV cache is asleep (released by release_physical()); "
+                f"call recommit() before {what}"
+            )
 
     def _device(self) -> torch.device:
-        """The buffers' device (the host with no buffer)."""
-        return self._lockstep.device
+        """The tensors' device (the host with no tensor)."""
+        return self._blocks.device
 
     # -- KV connectors ----------------------------------------------------------
 
@@ -209,7 +204,7 @@ class KVCacheBuffers:
         """Names under which connectors registered this cache's memory."""
         return self._registrations.names
 
-    @_serialized
+    @serialized
     def register_external(self, name: str) -> None:
         """Record that a KV connector (NIXL, UCX, an RDMA library) registered
         this cache's memory, so that nothing pulls it from under it.
@@ -225,31 +220,31 @@ class KVCacheBuffers:
         :meth:`recommit`).
         """
         self._check_awake("register_external()")
-        self._registrations.add(name, [buffer for buffer, _ in self.buffers])
+        self._registrations.add(name, [tensor for tensor, _ in self.tensors])
 
-    @_serialized
+    @serialized
     def unregister_external(self, name: str) -> None:
         """Forget a registration made by :meth:`register_external`."""
         self._registrations.remove(name)
 
     # -- growth -----------------------------------------------------------------
 
-    @_serialized
+    @serialized
     def add(self, buffer: ExtensibleTensor, bytes_per_block_per_segment: int) -> None:
-        """Take one more buffer (e.g. a draft model's KV) into the lockstep;
+        """Take one more tensor (e.g. a draft model's KV) into the lockstep;
         it is committed to the current block count, zeroed."""
         self._add([(buffer, bytes_per_block_per_segment)])
 
-    @_serialized
+    @serialized
     def add_all(self, items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
-        """:meth:`add` for several buffers, all or none: if committing one
+        """:meth:`add` for several tensors, all or none: if committing one
         fails, none joins and none keeps memory."""
         self._add(items)
 
     def _add(self, items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
         self._check_awake("add()")
-        for buffer in self._resizer.add(items, self.num_blocks_capacity):
-            buffer.publish_within(self)
+        for tensor in self._resizer.add(items, self.num_blocks_capacity):
+            tensor.publish_within(self)
         self._apply_wait_streams()
 
     def wait_for_streams(self, streams: Iterable[Any] | None) -> None:
@@ -271,12 +266,12 @@ class KVCacheBuffers:
         commit_stream = self._commits.stream_handle
         if handles is not None and commit_stream is not None:
             handles = (*handles, commit_stream)
-        for buffer, _ in self.buffers:
-            buffer.buffer.wait_streams = handles
+        for tensor, _ in self.tensors:
+            tensor.buffer.wait_streams = handles
 
-    @_serialized
+    @serialized
     def commit(self, num_blocks: int, defragment: bool = False) -> None:
-        """Back the first ``num_blocks`` blocks of every buffer; new blocks read zero.
+        """Back the first ``num_blocks`` blocks of every tensor; new blocks read zero.
 
         A count at or below the committed one changes nothing, unless
         ``defragment``. With ``defragment`` (what a KV connector needs before
@@ -314,10 +309,10 @@ class KVCacheBuffers:
         self._resizer.commit(num_blocks, defragment)
 
     def _regions(self, num_blocks: int) -> list[torch.Tensor]:
-        """The first ``num_blocks`` blocks of every segment of every buffer, as bytes."""
-        return self._lockstep.regions(num_blocks)
+        """The first ``num_blocks`` blocks of every segment of every tensor, as bytes."""
+        return self._blocks.regions(num_blocks)
 
-    @_serialized
+    @serialized
     def trim(self, num_blocks: int) -> None:
         """Give back the memory past the first ``num_blocks`` blocks.
 
@@ -335,7 +330,7 @@ class KVCacheBuffers:
         self._check_awake("trim()")
         self._resizer.trim(num_blocks)
 
-    @_serialized
+    @serialized
     def clear(self) -> None:
         """Forget every block, from any state: awake after, with no block, no
         memory and no host copy (a cache forgetting its tokens; blocks that
@@ -343,12 +338,12 @@ class KVCacheBuffers:
         self._check_alive("clear()")
         self._resizer.clear()
 
-    @_serialized
+    @serialized
     def defragment(self, preserve: bool = True) -> None:
         """Map each segment's committed prefix again as one physical chunk.
 
         With ``preserve`` (the default) every committed block keeps its
-        contents; old and new memory coexist for a moment, one buffer at a
+        contents; old and new memory coexist for a moment, one tensor at a
         time. Without, contents are discarded, as ``commit(n, defragment=True)``.
         """
         self._check_awake("defragment()")
@@ -358,7 +353,7 @@ class KVCacheBuffers:
         """vLLM's name for the final commit, once sizing decided: :meth:`commit`."""
         self.commit(num_blocks, defragment=defragment)
 
-    @_serialized
+    @serialized
     def ensure_blocks(self, num_blocks: int) -> None:
         """Commit at least ``num_blocks`` blocks, capped at the capacity.
 
@@ -370,11 +365,11 @@ class KVCacheBuffers:
 
     # -- background commit -------------------------------------------------------
 
-    @_serialized
+    @serialized
     def reserve_ahead(self, num_blocks: int) -> Future[int]:
         """Create, on a background thread, the physical memory that growing
         to ``num_blocks`` (or, asleep, waking to that count) will map, into
-        the handle pools of the buffers' driver stacks
+        the handle pools of the tensors' driver stacks
         (:meth:`~extensible_kv.driver.Driver.create_ahead`): the growth or
         wake then only maps. For a wake, call it while the engine reloads
         its weights. The future gives the bytes added; each pool stops at
@@ -384,7 +379,7 @@ class KVCacheBuffers:
         self._check_alive("reserve_ahead()")
         self._check_count("reserve for", num_blocks)
         return reserve_ahead_all(
-            [(buffer, num_blocks * per_block) for buffer, per_block in self.buffers]
+            [(tensor, num_blocks * per_block) for tensor, per_block in self.tensors]
         )
 
     def commit_async(self, num_blocks: int) -> Future[CommitTicket]:
@@ -404,7 +399,7 @@ class KVCacheBuffers:
 
     # -- sleep and wake ---------------------------------------------------------
 
-    @_serialized
+    @serialized
     def release_physical(
         self, preserve: bool = False, *, staging_bytes: int = DEFAULT_STAGING_BYTES
     ) -> None:
@@ -434,7 +429,7 @@ class KVCacheBuffers:
                 # Asleep, nothing is mapped that a connector could still use.
                 self._registrations.drop_released()
 
-    @_serialized
+    @serialized
     def recommit(
         self,
         *,
@@ -448,10 +443,10 @@ class KVCacheBuffers:
         host copy is then dropped (its memory goes back to the OS) unless
         ``keep_host_memory``, which keeps it for the next preserving sleep
         and, on a GPU, pins it (once) so that later sleeps and wakes copy by
-        direct DMA. The memory is committed buffer by buffer, each one's copy
+        direct DMA. The memory is committed tensor by tensor, each one's copy
         running while the next commits.
 
-        After a commit while released woke the cache partly, this grows it
+        After a commit while asleep woke the cache partly, this grows it
         (zeroed) to the count it slept at. Does nothing otherwise.
 
         ``num_blocks`` wakes to that count instead of the one slept at, for
@@ -484,7 +479,7 @@ class KVCacheBuffers:
         self._commits.finish()
         with self._lock:
             self._freed = True
-            self._lockstep.free()
+            self._blocks.free()
             self._registrations.clear()
             self._cycle.drop_copies()
             self._cycle.settle()

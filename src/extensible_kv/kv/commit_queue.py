@@ -10,15 +10,20 @@ stream, so the zeroing of its new blocks is ordered by the event its
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 from extensible_kv.kv.commit_ticket import CommitTicket
 
-__all__ = ["CommitQueue"]
+__all__ = ["CommitQueue", "serialized"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 #: Names of the worker threads start so; a commit running on one never
 #: waits for the queue (it would wait for itself).
@@ -109,3 +114,19 @@ class CommitQueue:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+
+
+def serialized(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run a cache's public method after the commits queued so far and
+    under the cache's lock, which its queue (``_commits``) holds. Internal
+    calls use the undecorated bodies, so nothing waits while holding the lock."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        cache: Any = args[0]  # a KV cache (this module is below it)
+        queue: CommitQueue = cache._commits
+        queue.wait()
+        with queue._lock:
+            return method(*args, **kwargs)
+
+    return wrapper

@@ -103,7 +103,7 @@ class ElasticBlocks:
                 f"num_blocks must be 1 to the capacity {buffers.num_blocks_capacity}, "
                 f"got {num_blocks}"
             )
-        for tensor, _ in buffers.buffers:
+        for tensor, _ in buffers.tensors:
             buffer = tensor.buffer
             if buffer.chunk_bytes != buffer.granularity:
                 raise ValueError(
@@ -129,25 +129,25 @@ class ElasticBlocks:
     @property
     def held_units(self) -> UnitRanges:
         """The units held now, as ranges (empty while the cache sleeps)."""
-        return () if self.buffers.released else ranges_of(self._held)
+        return () if self.buffers.asleep else ranges_of(self._held)
 
     @property
     def num_blocks_held(self) -> int:
         """Blocks of the units held (0 while the cache sleeps)."""
-        if self.buffers.released:
+        if self.buffers.asleep:
             return 0
         return sum(hi - lo for lo, hi in self._block_ranges(self._held))
 
     def holds(self, block_ids: Iterable[int]) -> bool:
         """Whether every one of ``block_ids`` lies in a held unit."""
-        if self.buffers.released:
+        if self.buffers.asleep:
             return False
         per = self.blocks_per_unit
         return all(block_id // per in self._held for block_id in block_ids)
 
     def holds_units(self, ranges: Iterable[tuple[int, int]]) -> bool:
         """Whether every unit of ``ranges`` is held."""
-        return not self.buffers.released and set(units_of(ranges)) <= self._held
+        return not self.buffers.asleep and set(units_of(ranges)) <= self._held
 
     def _block_ranges(self, units: Iterable[int]) -> list[tuple[int, int]]:
         """The block ranges of ``units``, within the engine's count."""
@@ -162,7 +162,7 @@ class ElasticBlocks:
         """Per buffer, the ``(offset, size)`` bytes of ``units`` in every segment."""
         blocks = self._block_ranges(units)
         out = []
-        for tensor, per_block in self.buffers.buffers:
+        for tensor, per_block in self.buffers.tensors:
             cap = tensor.segment_capacity_bytes
             out.append(
                 [
@@ -192,7 +192,7 @@ class ElasticBlocks:
         order until one is refused, and the report counts those committed.
         """
         self._check_orders(orders)
-        if self.buffers.released:
+        if self.buffers.asleep:
             raise ValueError("the KV cache sleeps; wake() before applying orders")
         if orders.blocks_per_unit != self.blocks_per_unit:
             self._rebase(orders.blocks_per_unit)
@@ -240,7 +240,7 @@ class ElasticBlocks:
         if not new:
             return
         ranges = self._byte_ranges(new)
-        tensors = [tensor for tensor, _ in self.buffers.buffers]
+        tensors = [tensor for tensor, _ in self.buffers.tensors]
         mapped = commit_together(
             [(tensor.buffer, r) for tensor, r in zip(tensors, ranges, strict=True)]
         )
@@ -256,7 +256,7 @@ class ElasticBlocks:
         if not self._held - keep:
             return
         ranges = self._byte_ranges(keep)
-        tensors = [tensor for tensor, _ in self.buffers.buffers]
+        tensors = [tensor for tensor, _ in self.buffers.tensors]
         release_outside_together(
             [(tensor.buffer, r) for tensor, r in zip(tensors, ranges, strict=True)]
         )
@@ -273,7 +273,7 @@ class ElasticBlocks:
         """Wake after :meth:`release`: commit unit 0 only (the engine reset
         its prefix cache with the sleep). The next :meth:`apply` commits
         what the step needs. Does nothing while awake."""
-        if not self.buffers.released:
+        if not self.buffers.asleep:
             return
         self.buffers.recommit(num_blocks=0)
         self._held = set()

@@ -77,7 +77,7 @@ class OnDemandGrowth:
                     f"block id {block_id} is outside the engine's {self.num_blocks} blocks"
                 )
             highest = max(highest, block_id)
-        if self.buffers.released:
+        if self.buffers.asleep:
             self.wake()
         if highest >= self.buffers.num_blocks_committed:
             self.buffers.commit(self._target(highest + 1))

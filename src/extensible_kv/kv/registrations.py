@@ -36,24 +36,24 @@ class Registrations:
         """The names registered, oldest first."""
         return tuple(self._names)
 
-    def add(self, name: str, buffers: Sequence[ExtensibleTensor]) -> None:
-        """Record ``name``, once its memory suits a connector: every buffer
+    def add(self, name: str, tensors: Sequence[ExtensibleTensor]) -> None:
+        """Record ``name``, once its memory suits a connector: every tensor
         shareable and mapped one physical chunk per segment (UCX cannot
         transfer a region spanning several physical allocations)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a registration is named by a non-empty str, got {name!r}")
         if name in self._names:
             raise ValueError(f"{name!r} is already registered")
-        plain = [b for b in buffers if not b.buffer.shareable]
+        plain = [b for b in tensors if not b.buffer.shareable]
         if plain:
             raise ValueError(
-                f"{len(plain)} of {len(buffers)} buffers are not shareable; a KV connector "
+                f"{len(plain)} of {len(tensors)} tensors are not shareable; a KV connector "
                 f"needs memory made with shareable=True (allocate_kv_cache(..., shareable=True))"
             )
-        scattered = [b for b in buffers if not in_one_chunk_per_segment(b)]
+        scattered = [b for b in tensors if not in_one_chunk_per_segment(b)]
         if scattered:
             raise ValueError(
-                f"{len(scattered)} of {len(buffers)} buffers span several physical "
+                f"{len(scattered)} of {len(tensors)} tensors span several physical "
                 f"allocations per segment, which UCX cannot transfer; call "
                 f"commit(num_blocks, defragment=True) before registering"
             )

@@ -1,6 +1,6 @@
 """Growth, trim and defragment of a KV cache: what each may do, given the
 connectors' registrations and the sleep cycle, and the work it hands to the
-cache's buffers.
+cache's tensors.
 
 :class:`Resizer` does the work of
 :meth:`~extensible_kv.kv.KVCacheBuffers.commit`,
@@ -10,7 +10,7 @@ cache's buffers.
 :meth:`~extensible_kv.kv.KVCacheBuffers.add_all`: it refuses what would
 change memory a connector registered, wakes a sleeping cache that a commit
 needs, and then grows, remaps or shrinks the
-:class:`~extensible_kv.kv.lockstep.Lockstep`. The cache checks first, under
+:class:`~extensible_kv.kv.block_tensors.BlockTensors`. The cache checks first, under
 its lock, that it is alive (and awake, where a call needs it) and that a
 block count is within its capacity.
 """
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from extensible_kv._checks import check_int
 from extensible_kv.kv import members
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES
-from extensible_kv.kv.lockstep import Lockstep
+from extensible_kv.kv.block_tensors import BlockTensors
 from extensible_kv.kv.registrations import Registrations
 from extensible_kv.kv.sleep_wake import SleepWake
 from extensible_kv.tensor import ExtensibleTensor, defragment_all
@@ -32,10 +32,12 @@ __all__ = ["Resizer"]
 
 class Resizer:
     """Changes to one cache's blocks, over its parts (all owned by the
-    cache): ``blocks``, its buffers; ``cycle``, its sleep and wake;
+    cache): ``blocks``, its tensors; ``cycle``, its sleep and wake;
     ``registrations``, its connectors'. It keeps no state of its own."""
 
-    def __init__(self, blocks: Lockstep, cycle: SleepWake, registrations: Registrations) -> None:
+    def __init__(
+        self, blocks: BlockTensors, cycle: SleepWake, registrations: Registrations
+    ) -> None:
         self._blocks = blocks
         self._cycle = cycle
         self._registrations = registrations
@@ -60,7 +62,7 @@ class Resizer:
             self._blocks.grow(num_blocks)
 
     def _wake_for_commit(self, num_blocks: int, defragment: bool) -> None:
-        """A commit while released: restore a host copy whole, else commit
+        """A commit while asleep: restore a host copy whole, else commit
         only what was asked and leave the rest to the next wake."""
         sleep = self._cycle.sleep
         assert sleep.asleep_at is not None
@@ -104,18 +106,18 @@ class Resizer:
         chunk, keeping their contents with ``preserve``, zeroing them without."""
         self._registrations.check_unregistered("defragment()")
         if preserve:
-            defragment_all([buffer for buffer, _ in self._blocks.members], preserve=True)
+            defragment_all([tensor for tensor, _ in self._blocks.members], preserve=True)
         else:
             self.commit(self._blocks.committed, defragment=True)
 
     def add(
         self, items: Sequence[tuple[ExtensibleTensor, int]], num_blocks_capacity: int
     ) -> list[ExtensibleTensor]:
-        """Take ``items``, ``(buffer, bytes_per_block_per_segment)`` pairs,
+        """Take ``items``, ``(tensor, bytes_per_block_per_segment)`` pairs,
         into an awake cache of ``num_blocks_capacity`` blocks, each committed
-        to the block count, zeroed; all or none. Returns the buffers taken."""
+        to the block count, zeroed; all or none. Returns the tensors taken."""
         self._registrations.check_unregistered("add()")
         pairs = members.as_pairs(items)
         members.check_all_joining(pairs, num_blocks_capacity, self._blocks.members)
         self._blocks.join(pairs)
-        return [buffer for buffer, _ in pairs]
+        return [tensor for tensor, _ in pairs]

@@ -5,7 +5,7 @@ memory.
 :class:`SleepWake` does the work of
 :meth:`~extensible_kv.kv.KVCacheBuffers.release_physical` and
 :meth:`~extensible_kv.kv.KVCacheBuffers.recommit` on the cache's
-:class:`~extensible_kv.kv.lockstep.Lockstep`, and owns the host copies
+:class:`~extensible_kv.kv.block_tensors.BlockTensors`, and owns the host copies
 involved: the one a preserving sleep makes (kept in the cache's
 :class:`~extensible_kv.kv.sleep.Sleep` value until the wake restores it) and
 the one a wake keeps for the next sleep. The cache checks what a call may
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from extensible_kv.buffer import synchronize_buffers
 from extensible_kv.kv.backup import HostBackup
-from extensible_kv.kv.lockstep import Lockstep
+from extensible_kv.kv.block_tensors import BlockTensors
 from extensible_kv.kv.sleep import Sleep, SleepState
 
 __all__ = ["SleepWake"]
 
 
 class SleepWake:
-    """One cache's sleep cycle, over ``blocks`` (the cache's buffers).
+    """One cache's sleep cycle, over ``blocks`` (the cache's tensors).
 
     ``sleep``: where the cache stands, with the host copy a preserving sleep
     made (owned here). ``spare``: the host copy a wake kept
@@ -31,7 +31,7 @@ class SleepWake:
     (owned here; None otherwise). Only the methods below change them.
     """
 
-    def __init__(self, blocks: Lockstep) -> None:
+    def __init__(self, blocks: BlockTensors) -> None:
         self.sleep = Sleep()
         self.spare: HostBackup | None = None
         self._blocks = blocks
@@ -47,7 +47,7 @@ class SleepWake:
         ring of ``2 * staging_bytes`` bytes on a GPU); without, forget any
         host copy a preserving sleep made. Idempotent.
 
-        Once every buffer holds no memory the cache is asleep, even if
+        Once every tensor holds no memory the cache is asleep, even if
         releasing a handle failed (a second call retries it); if unmapping
         failed, it stays awake and its host copies (one just made, one kept)
         are freed.
@@ -62,7 +62,7 @@ class SleepWake:
         if not self.sleep.asleep and preserve:
             # Writers on any stream (an engine's side streams, the zeroing
             # of commit_async) must be done before the copy reads the blocks.
-            synchronize_buffers(buffer.buffer for buffer, _ in self._blocks.members)
+            synchronize_buffers(tensor.buffer for tensor, _ in self._blocks.members)
             backup = HostBackup.capture(
                 self._blocks.regions(held), staging_bytes=staging_bytes, reuse=self.spare
             )
@@ -104,8 +104,8 @@ class SleepWake:
         self.sleep = Sleep()
 
     def wake(self, *, keep_host_memory: bool, staging_bytes: int) -> None:
-        """Commit the blocks slept at again: zeroed, or restored buffer by
-        buffer from the host copy, which is then freed, or with
+        """Commit the blocks slept at again: zeroed, or restored tensor by
+        tensor from the host copy, which is then freed, or with
         ``keep_host_memory`` kept (on a GPU pinned, once) as the spare. A
         growth a partial wake asked for stays to do. Does nothing unless
         asleep; all or nothing."""

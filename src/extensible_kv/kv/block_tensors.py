@@ -1,9 +1,9 @@
-"""A KV cache's buffers held in lockstep by blocks, and the all-or-nothing
+"""A KV cache's tensors held in lockstep by blocks, and the all-or-nothing
 operations that change how many blocks they hold.
 
-Every buffer of a :class:`~extensible_kv.kv.KVCacheBuffers` holds the same
-number of blocks in each of its segments: :class:`Lockstep` keeps the
-buffers with that count, and grows, remaps, shrinks, releases and restores
+Every tensor of a :class:`~extensible_kv.kv.KVCacheBuffers` holds the same
+number of blocks in each of its segments: :class:`BlockTensors` keeps the
+tensors with that count, and grows, remaps, shrinks, releases and restores
 them together. It decides nothing about sleep, connectors or threads: the
 cache checks what a call may do, under its lock, and then calls it.
 """
@@ -26,15 +26,15 @@ from extensible_kv.tensor import (
     shrink_per_segment_all,
 )
 
-__all__ = ["Lockstep"]
+__all__ = ["BlockTensors"]
 
 
-class Lockstep:
-    """A cache's buffers and the blocks they hold, owned by the cache.
+class BlockTensors:
+    """A cache's tensors and the blocks they hold, owned by the cache.
 
-    ``members``: ``(buffer, bytes_per_block_per_segment)`` pairs, in order
-    (the buffers are the cache's: checked before they join, freed by
-    :meth:`free`). ``committed``: blocks every buffer holds in each segment
+    ``members``: ``(tensor, bytes_per_block_per_segment)`` pairs, in order
+    (the tensors are the cache's: checked before they join, freed by
+    :meth:`free`). ``committed``: blocks every tensor holds in each segment
     (0 while asleep); only the operations below change it.
     """
 
@@ -44,41 +44,41 @@ class Lockstep:
 
     @property
     def physical_bytes(self) -> int:
-        """Physical memory held, summed over buffers (whole granules)."""
-        return sum(buffer.physical_bytes for buffer, _ in self.members)
+        """Physical memory held, summed over tensors (whole granules)."""
+        return sum(tensor.physical_bytes for tensor, _ in self.members)
 
     @property
     def device(self) -> torch.device:
-        """The buffers' device (the host with no buffer)."""
+        """The tensors' device (the host with no tensor)."""
         return self.members[0][0].device if self.members else torch.device("cpu")
 
-    def append(self, buffer: ExtensibleTensor, bytes_per_block: int) -> None:
-        """Take ``buffer`` as it stands, for a cache holding no block yet."""
-        self.members.append((buffer, bytes_per_block))
+    def append(self, tensor: ExtensibleTensor, bytes_per_block: int) -> None:
+        """Take ``tensor`` as it stands, for a cache holding no block yet."""
+        self.members.append((tensor, bytes_per_block))
 
     def join(self, items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
         """Commit ``items`` (checked pairs) to the block count, zeroed, then
         take them in; all or none: if one fails, none joins or keeps memory."""
         resize_per_segment_all(
-            [(buffer, self.committed * per_block) for buffer, per_block in items], zero_new=True
+            [(tensor, self.committed * per_block) for tensor, per_block in items], zero_new=True
         )
         self.members.extend(items)
 
     def holds(self, num_blocks: int) -> bool:
-        """True when every buffer holds exactly ``num_blocks`` blocks in each segment."""
+        """True when every tensor holds exactly ``num_blocks`` blocks in each segment."""
         return all(b.bytes_per_segment == num_blocks * per_block for b, per_block in self.members)
 
     def holds_exactly(self, num_blocks: int) -> bool:
         """True when a defragmenting commit of ``num_blocks`` has nothing to do."""
         return num_blocks == self.committed and all(
-            in_one_chunk_per_segment(buffer) for buffer, _ in self.members
+            in_one_chunk_per_segment(tensor) for tensor, _ in self.members
         )
 
     def grow(self, num_blocks: int, zero_new: bool = True) -> None:
         """Hold ``num_blocks`` blocks (at least the committed count), the new
         ones zeroed unless not ``zero_new``; all or nothing."""
         resize_per_segment_all(
-            [(buffer, num_blocks * per_block) for buffer, per_block in self.members],
+            [(tensor, num_blocks * per_block) for tensor, per_block in self.members],
             zero_new=zero_new,
         )
         self.committed = num_blocks
@@ -93,7 +93,7 @@ class Lockstep:
             return
         try:
             remap_per_segment_all(
-                [(buffer, num_blocks * per_block) for buffer, per_block in self.members]
+                [(tensor, num_blocks * per_block) for tensor, per_block in self.members]
             )
         finally:
             if self.holds(num_blocks):
@@ -105,31 +105,31 @@ class Lockstep:
         :func:`~extensible_kv.tensor.shrink_per_segment_all`)."""
         try:
             shrink_per_segment_all(
-                [(buffer, num_blocks * per_block) for buffer, per_block in self.members]
+                [(tensor, num_blocks * per_block) for tensor, per_block in self.members]
             )
         finally:
             if self.holds(num_blocks):
                 self.committed = num_blocks
 
     def release(self) -> None:
-        """Give back every buffer's physical memory; the block count is 0
+        """Give back every tensor's physical memory; the block count is 0
         once they hold none (see :func:`~extensible_kv.tensor.release_physical_all`
         for what a failure leaves)."""
         try:
-            release_physical_all([buffer for buffer, _ in self.members])
+            release_physical_all([tensor for tensor, _ in self.members])
         finally:
             if self.physical_bytes == 0:
                 self.committed = 0
 
     def restore(self, backup: HostBackup, num_blocks: int, staging_bytes: int) -> None:
-        """Commit ``num_blocks`` again, buffer by buffer, and fill each from
+        """Commit ``num_blocks`` again, tensor by tensor, and fill each from
         ``backup`` (the caller's) while the next one commits, through a
         pinned ring of ``2 * staging_bytes`` bytes on a GPU; all or nothing.
 
-        If a commit or a copy fails, the buffers committed so far are
+        If a commit or a copy fails, the tensors committed so far are
         released again: the cache stays asleep with its backup, for a retry.
         """
-        # Buffer by buffer, but claimed at once: a wake waiting for room
+        # Tensor by tensor, but claimed at once: a wake waiting for room
         # holds none of it, so two engines waking together cannot each hold
         # half and wait on the other.
         with self.claimed(num_blocks):
@@ -138,11 +138,11 @@ class Lockstep:
             try:
                 try:
                     first = 0
-                    for buffer, per_block in self.members:
-                        buffer.resize_per_segment_(num_blocks * per_block)
-                        committed.append(buffer)
-                        restorer.copy(range(first, first + buffer.num_segments))
-                        first += buffer.num_segments
+                    for tensor, per_block in self.members:
+                        tensor.resize_per_segment_(num_blocks * per_block)
+                        committed.append(tensor)
+                        restorer.copy(range(first, first + tensor.num_segments))
+                        first += tensor.num_segments
                 finally:
                     restorer.finish()  # no copy may run into memory released below
             except BaseException:
@@ -151,28 +151,28 @@ class Lockstep:
         self.committed = num_blocks
 
     def regions(self, num_blocks: int) -> list[torch.Tensor]:
-        """The first ``num_blocks`` blocks of every segment of every buffer,
-        as bytes (uint8 views of the buffers' memory, in order)."""
+        """The first ``num_blocks`` blocks of every segment of every tensor,
+        as bytes (uint8 views of the tensors' memory, in order)."""
         found = []
-        for buffer, per_block in self.members:
-            full = buffer.full_view()
-            for segment in range(buffer.num_segments):
-                start = segment * buffer.segment_capacity_bytes
+        for tensor, per_block in self.members:
+            full = tensor.full_view()
+            for segment in range(tensor.num_segments):
+                start = segment * tensor.segment_capacity_bytes
                 found.append(full[start : start + num_blocks * per_block])
         return found
 
     def claimed(self, num_blocks: int) -> AbstractContextManager[object]:
         """Claim at once what committing ``num_blocks`` blocks in every
-        buffer will create from here (see
+        tensor will create from here (see
         :func:`~extensible_kv.tensor.claimed_at_once`)."""
         return claimed_at_once(
             [(b, max(num_blocks * per_block, b.bytes_per_segment)) for b, per_block in self.members]
         )
 
     def free(self) -> None:
-        """Free every buffer (its memory now, its addresses once its views
-        are gone) and forget them: no buffer, no block."""
-        for buffer, _ in self.members:
-            buffer.free()
+        """Free every tensor (its memory now, its addresses once its views
+        are gone) and forget them: no tensor, no block."""
+        for tensor, _ in self.members:
+            tensor.free()
         self.members = []
         self.committed = 0
