@@ -61,8 +61,8 @@ def release_together(buffers: Sequence[VirtualBuffer], *, idle: bool = False) ->
     (:meth:`~extensible_kv.driver.Driver.release_idle`), so every byte goes
     back to the driver. Returns the bytes released by the buffers.
     """
-    with Transaction(buffers):
-        released = _release_chunks([(b, list(b._chunks)) for b in buffers if not b._freed])
+    with Transaction(buffers) as txn:
+        released = _release_chunks(txn, [(b, list(b._chunks)) for b in buffers if not b._freed])
         if idle:
             for driver in {id(b.driver): b.driver for b in buffers}.values():
                 driver.release_idle()
@@ -78,9 +78,9 @@ def release_outside_together(
     all or nothing across them. With ``synchronized`` the caller has just
     synchronized their devices (:func:`synchronize_buffers`). Returns the
     bytes released."""
-    with Transaction(buffer for buffer, _ in requests):
+    with Transaction(buffer for buffer, _ in requests) as txn:
         doomed = [(buffer, buffer._outside(keep)) for buffer, keep in requests]
-        return _release_chunks(doomed, synchronized=synchronized)
+        return _release_chunks(txn, doomed, synchronized=synchronized)
 
 
 def synchronize_buffers(buffers: Iterable[VirtualBuffer]) -> None:
@@ -111,29 +111,32 @@ def synchronize_buffers(buffers: Iterable[VirtualBuffer]) -> None:
 
 
 def _release_chunks(
-    requests: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]], *, synchronized: bool = False
+    txn: Transaction,
+    requests: Sequence[tuple[VirtualBuffer, Sequence[Chunk]]],
+    *,
+    synchronized: bool = False,
 ) -> int:
     """Unmap ``requests``' chunks, all or nothing, then release their
-    handles; the caller holds the buffers' locks."""
+    handles: the work of ``txn``, the caller's transaction over the
+    buffers, which this commits (it has changed nothing before)."""
     if not synchronized:
         synchronize_buffers(buffer for buffer, chunks in requests if chunks)
     touched = [buffer for buffer, chunks in requests if chunks or buffer._has_leftovers]
-    with Transaction(touched) as txn:
-        txn.enter_contexts(touched)
-        try:
-            for buffer, chunks in requests:
-                buffer._detach(chunks)
-                txn.undo(buffer._reattach, chunks)
-        except OutOfMemoryError:
-            # Unmapping keeps the memory for a rollback, and on the host that
-            # needs address space as big as the chunk: when it has run out
-            # (RLIMIT_AS), give up the rollback rather than the memory.
-            txn.rollback()
-            for buffer, chunks in requests:
-                buffer._discard(chunks)
-        for buffer in touched:
-            txn.after(buffer._return_leftovers)
-        txn.commit()
+    txn.enter_contexts(touched)
+    try:
+        for buffer, chunks in requests:
+            buffer._detach(chunks)
+            txn.undo(buffer._reattach, chunks)
+    except OutOfMemoryError:
+        # Unmapping keeps the memory for a rollback, and on the host that
+        # needs address space as big as the chunk: when it has run out
+        # (RLIMIT_AS), give up the rollback rather than the memory.
+        txn.rollback()
+        for buffer, chunks in requests:
+            buffer._discard(chunks)
+    for buffer in touched:
+        txn.after(buffer._return_leftovers)
+    txn.commit()
     return sum(chunk.size for _, chunks in requests for chunk in chunks)
 
 
