@@ -53,14 +53,14 @@ class ElasticSteps:
         empty step while asleep only records them (the wake commits unit 0,
         the next orders the rest); a step with tokens while asleep calls
         ``wake`` (the worker's, which commits the cache again) first."""
-        released = self.blocks.buffers.asleep
+        asleep = self.blocks.buffers.asleep
         orders: ElasticOrders | None = getattr(scheduler_output, "extensible_kv", None)
         if orders is not None:
             self.orders = orders
-            if released:
+            if asleep:
                 # Asleep: what the wake must come back to is these orders.
                 self.holding = dataclasses.replace(orders, wanted=())
-        if released:
+        if asleep:
             if not scheduler_output.total_num_scheduled_tokens:
                 if orders is not None:
                     self.report = ElasticReport(orders.seq, 0)

@@ -10,7 +10,7 @@ cache checks what a call may do, under its lock, and then calls it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -77,10 +77,7 @@ class BlockTensors:
     def grow(self, num_blocks: int, zero_new: bool = True) -> None:
         """Hold ``num_blocks`` blocks (at least the committed count), the new
         ones zeroed unless not ``zero_new``; all or nothing."""
-        resize_per_segment_all(
-            [(tensor, num_blocks * per_block) for tensor, per_block in self.members],
-            zero_new=zero_new,
-        )
+        resize_per_segment_all(self._sizes(num_blocks), zero_new=zero_new)
         self.committed = num_blocks
 
     def remap(self, num_blocks: int) -> None:
@@ -91,22 +88,26 @@ class BlockTensors:
             for region in self.regions(num_blocks):
                 region.zero_()
             return
-        try:
-            remap_per_segment_all(
-                [(tensor, num_blocks * per_block) for tensor, per_block in self.members]
-            )
-        finally:
-            if self.holds(num_blocks):
-                self.committed = num_blocks
+        self._resize(remap_per_segment_all, num_blocks)
 
     def shrink(self, num_blocks: int) -> None:
         """Hold the first ``num_blocks`` blocks (at most the committed count)
         and give back the memory past them; all or nothing (see
         :func:`~extensible_kv.tensor.shrink_per_segment_all`)."""
+        self._resize(shrink_per_segment_all, num_blocks)
+
+    def _sizes(self, num_blocks: int) -> list[tuple[ExtensibleTensor, int]]:
+        """Each tensor with its bytes per segment at ``num_blocks`` blocks."""
+        return [(tensor, num_blocks * per_block) for tensor, per_block in self.members]
+
+    def _resize(
+        self, operation: Callable[[list[tuple[ExtensibleTensor, int]]], object], num_blocks: int
+    ) -> None:
+        """Run ``operation`` over every tensor at ``num_blocks`` blocks. The
+        count follows the tensors even when it raises: a failure past its
+        point of no return leaves them resized."""
         try:
-            shrink_per_segment_all(
-                [(tensor, num_blocks * per_block) for tensor, per_block in self.members]
-            )
+            operation(self._sizes(num_blocks))
         finally:
             if self.holds(num_blocks):
                 self.committed = num_blocks

@@ -53,7 +53,10 @@ def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int
     unmap) leaves every tensor as it was.
     """
     buffers = [tensor.buffer for tensor, _ in items]
-    with hold_locks(buffers):
+    # The transaction logs no undo of its own (staging and swapping undo
+    # theirs); it collects what fails past the swap's point of no return,
+    # to raise once the prefixes are cut.
+    with Transaction(buffers) as txn:
         for tensor, bytes_per_segment in items:
             _check_shrink(tensor, bytes_per_segment)
         before = sum(buffer.physical_bytes for buffer in buffers)
@@ -66,13 +69,13 @@ def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int
         # The copies of the chunks cut through replace them: they are
         # claimed as credit, so a cache can trim under a full or lowered limit.
         copies = [(t.buffer, 0, sum(n for r in rs for _, n in r.runs)) for t, rs in plans]
-        with reserving(copies), Transaction(buffers) as txn:
+        with reserving(copies):
             stagings = _stage_all(plans)
             swap_in_together([(t.buffer, staging) for t, staging in stagings], doomed=doomed)
             txn.commit()
-            for tensor, bytes_per_segment in items:
-                tensor._bytes_per_segment = bytes_per_segment
-                tensor._zero_tails()  # past the prefixes, the kept granules' old bytes go
+        for tensor, bytes_per_segment in items:
+            tensor._bytes_per_segment = bytes_per_segment
+            tensor._zero_tails()  # past the prefixes, the kept granules' old bytes go
         return before - sum(buffer.physical_bytes for buffer in buffers)
 
 
