@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv.budget import Ledger, Limit, parse_size, state_dir
-from extensible_kv.budget.ledger import check_limit, check_revision, check_uuid
+from extensible_kv.budget.holders import check_limit, check_revision
+from extensible_kv.budget.ledger import check_uuid
 from extensible_kv.budget.snapshot import read_ledgers
 from extensible_kv.devices import get_driver
 from extensible_kv.driver import parse_device

@@ -213,7 +213,7 @@ class BudgetDriver(DriverAdaptor):
             ledger.claim(lacking, getattr(_waits, "timeout_s", 0.0))
         elif lacking > 0:
             try:
-                ledger.claim(lacking)
+                ledger.claim(lacking, want=False)
             except BudgetExceededError:
                 ledger.claim_unchecked(lacking)
                 account.credit -= lacking

@@ -1,14 +1,28 @@
-"""One device's budget, shared by every process: its limit and each process's claim.
+"""One device's budget, shared by every process: its limit, and each
+process's claim, want, floor and cap.
 
-The ledger is a small file, ``devices/<uuid>.ledger`` in the state directory,
-that every process using the device maps ``MAP_SHARED``: a header (magic,
-version, the limit and its revision) and a table of slots, one per process,
-each holding that process's id and the bytes it claims. Asking whether there
-is a limit and adding to one's own slot are loads and stores into the mapping,
-with no system call; only a claim against a limit, taking a slot, and setting
-or reading the limit with its revision hold the file's ``flock``, so claims
-under a limit are checked and recorded atomically across processes, a limit
-is read as one write left it, and with no limit nothing is locked at all.
+The ledger is a small file (:mod:`extensible_kv.budget.ledger_file`) that
+every process using the device maps ``MAP_SHARED``. Asking whether there is
+a limit and adding to one's own claim are loads and stores into the mapping,
+with no system call; a claim against a limit or a cap, taking a slot, and
+setting or reading the limit, floors and caps with their revision hold the
+file's ``flock``, so claims are checked and recorded atomically across
+processes, and with no limit nothing is locked at all.
+
+**The rules.** A process's claim never passes its cap; the claims of all
+never pass the limit; and a process's **floor** is kept for it while it
+holds less: another's claim fits only if the room left covers every other
+process's unmet floor. So ``sum(max(claim, floor))`` stays within the limit
+once it is there, and a burst on one engine cannot take what another's floor
+guarantees.
+
+**Wants.** A claim that does not fit posts a **want**: the bytes it asked
+for, kept for :data:`WANT_TTL_S` and renewed while the claim waits or is
+asked again; what the process claims later pays its want down. Other
+processes read :meth:`Ledger.pressure` (the wants the room does not cover)
+and give back memory they hold idle (an elastic engine's cached and free
+blocks) until it is met. When a want is paid off, the ledger keeps how long
+it waited.
 
 A slot whose process died still shows its claim until a process needs the
 room: a claim that does not fit first asks whether each holder lives
@@ -18,95 +32,45 @@ room: a claim that does not fit first asks whether each holder lives
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import re
-import secrets
-import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-from extensible_kv._checks import check_int
+from extensible_kv.budget.holders import (
+    Holder,
+    LedgerView,
+    Limit,
+    ProcessSum,
+    StaleRevisionError,
+    check_limit,
+    check_revision,
+    check_size,
+    refusal,
+)
+from extensible_kv.budget.ledger_file import HIGH as _HIGH
+from extensible_kv.budget.ledger_file import LIMIT as _LIMIT
+from extensible_kv.budget.ledger_file import REVISION as _REVISION
+from extensible_kv.budget.ledger_file import SLOTS, LedgerFile
 from extensible_kv.budget.liveness import (
     ProcessId,
-    command_line,
     forget_dead,
     is_alive,
-    one_line,
     this_process,
 )
-from extensible_kv.budget.sizes import MAX_SIZE_BYTES, format_bytes
+from extensible_kv.budget.sizes import format_bytes
 from extensible_kv.budget.state_dir import StateDirError, prepare
 from extensible_kv.driver.errors import BudgetExceededError
 
-MAGIC = b"EKVBUDG1"
-VERSION = 1
-#: Processes one device's ledger has room for.
-SLOTS = 128
-#: magic, version, slots, limit (-1: none), revision, slots ever taken (a
-#: bound for sums); padded to 64 bytes.
-_HEADER = struct.Struct("<8sIIqqq")
-_HEADER_BYTES = 64
-_LIMIT, _REVISION, _HIGH = 2, 3, 4  # their indexes in the header read as int64s
-_PIDS = _HEADER_BYTES
-_TOKENS = _PIDS + 8 * SLOTS
-_CLAIMS = _TOKENS + 8 * SLOTS
-FILE_BYTES = _CLAIMS + 8 * SLOTS
 _UUID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: Seconds between tries while a claim waits for room.
 POLL_S = 0.01
-
-
-class StaleRevisionError(ValueError):
-    """A limit was written by someone who had read an older revision."""
-
-
-@dataclass(frozen=True)
-class Limit:
-    """A device's limit in bytes (None: unlimited) and its revision, which
-    every write of the limit increments."""
-
-    bytes: int | None
-    revision: int
-
-
-@dataclass(frozen=True)
-class LedgerView:
-    """What a ledger holds at one moment: the limit and the live claims."""
-
-    device: str
-    limit: Limit
-    claims: dict[ProcessId, int]
-
-    @property
-    def claimed_bytes(self) -> int:
-        return sum(self.claims.values())
-
-
-def check_limit(name: str, limit_bytes: object) -> None:
-    """Refuse a limit that is not None or an int of 1 to :data:`MAX_SIZE_BYTES`
-    bytes (what a ledger holds): TypeError or ValueError naming ``name``."""
-    if limit_bytes is None:
-        return
-    limit = check_int(name, limit_bytes)
-    if limit < 1:
-        raise ValueError(f"a limit must be at least 1 byte, got {limit}; use None for none")
-    if limit > MAX_SIZE_BYTES:
-        raise ValueError(
-            f"{name} must be at most {MAX_SIZE_BYTES} bytes (2**63 - 1, what a ledger "
-            f"holds), got {limit}"
-        )
-
-
-def check_revision(name: str, revision: object) -> None:
-    """Refuse a revision that is not None or an int of at least 0:
-    TypeError or ValueError naming ``name``."""
-    if revision is not None and check_int(name, revision) < 0:
-        raise ValueError(f"{name} must be at least 0, got {revision}")
+#: Seconds a want is kept after the claim that posted it, unless asked again.
+WANT_TTL_S = 0.5
+_WANT_TTL_NS = int(WANT_TTL_S * 1e9)
 
 
 def check_uuid(device: str) -> None:
@@ -142,25 +106,17 @@ class Ledger:
         # Reentrant: a finalizer releasing a dropped buffer's memory may run
         # at an allocation inside a claim, on the same thread (see BudgetDriver).
         self._mutex = threading.RLock()
-        self._fd = _open(self.path)
-        try:
-            self._map = mmap.mmap(self._fd, FILE_BYTES)
-        except (OSError, ValueError) as exc:
-            os.close(self._fd)
-            raise _foreign(self.path, f"cannot be mapped ({exc})") from None
-        whole = memoryview(self._map)
-        self._header = whole[:_HEADER_BYTES].cast("q")
-        self._pids = whole[_PIDS:_TOKENS].cast("q")
-        self._tokens = whole[_TOKENS:_CLAIMS].cast("q")
-        self._claims = whole[_CLAIMS:FILE_BYTES].cast("q")
+        self._file = LedgerFile(self.path)
+        self._fd = self._file.fd
+        self._header = self._file.header
+        self._pids = self._file.pids
+        self._tokens = self._file.tokens
+        self._claims = self._file.claims
         self._slot: int | None = None
 
     def close(self) -> None:
         """Unmap and close (the claim stays: it is given back by releasing)."""
-        for view in (self._header, self._pids, self._tokens, self._claims):
-            view.release()
-        self._map.close()
-        os.close(self._fd)
+        self._file.close()
 
     # -- the limit ------------------------------------------------------------
 
@@ -188,19 +144,90 @@ class Ledger:
     def set_limit(self, limit_bytes: int | None, expect_revision: int | None = None) -> Limit:
         """Set the limit in bytes (None: none); with ``expect_revision`` (an
         int), only if the revision is still that one, else
-        :class:`StaleRevisionError`."""
+        :class:`StaleRevisionError`. A limit below the live processes'
+        floors together is refused (ValueError): lower a floor first."""
         check_limit("limit_bytes", limit_bytes)
         check_revision("expect_revision", expect_revision)
         with self._locked():
-            revision = self._header[_REVISION]
-            if expect_revision is not None and expect_revision != revision:
-                raise StaleRevisionError(
-                    f"the limit of {self.device} is at revision {revision}, not "
-                    f"{expect_revision}: someone set it since it was read; read it again"
+            revision = self._check_revision(expect_revision)
+            floors = sum(process.floor for process in self._processes(forget=True).values())
+            if limit_bytes is not None and limit_bytes < floors:
+                raise ValueError(
+                    f"a limit of {format_bytes(limit_bytes)} on {self.device} is below the "
+                    f"floors its processes hold together ({format_bytes(floors)}); lower "
+                    f"a floor first (extensible-kv limit --pid PID --floor SIZE)"
                 )
             self._header[_LIMIT] = -1 if limit_bytes is None else limit_bytes
             self._header[_REVISION] = revision + 1
             return Limit(limit_bytes, revision + 1)
+
+    def _check_revision(self, expect_revision: int | None) -> int:
+        """The revision now, if it is ``expect_revision`` (caller holds the flock)."""
+        revision: int = self._header[_REVISION]
+        if expect_revision is not None and expect_revision != revision:
+            raise StaleRevisionError(
+                f"the budget of {self.device} is at revision {revision}, not "
+                f"{expect_revision}: someone set it since it was read; read it again"
+            )
+        return revision
+
+    # -- floors and caps ------------------------------------------------------------
+
+    def set_floor_and_cap(
+        self,
+        floor_bytes: int,
+        cap_bytes: int | None,
+        pid: int | None = None,
+        expect_revision: int | None = None,
+    ) -> Limit:
+        """Give process ``pid`` (None: this one) a floor and a cap in bytes
+        (0 and None: none), in place of what it had; the revision moves on
+        as for a limit. Returns the limit and the new revision.
+
+        Refused with ValueError, changing nothing: a floor above the cap, a
+        ``pid`` that holds no slot here (it has claimed nothing on this
+        device), floors that would add up past the limit.
+        """
+        check_size("floor_bytes", floor_bytes)
+        check_limit("cap_bytes", cap_bytes)
+        check_revision("expect_revision", expect_revision)
+        if cap_bytes is not None and floor_bytes > cap_bytes:
+            raise ValueError(
+                f"a floor of {format_bytes(floor_bytes)} is above the cap of "
+                f"{format_bytes(cap_bytes)}: a process cannot be kept more than it may hold"
+            )
+        with self._locked():
+            revision = self._check_revision(expect_revision)
+            slot = self._own_slot() if pid is None else self._slot_of(pid)
+            me = self._holder(slot)
+            others = sum(
+                process.floor for key, process in self._processes(forget=True).items() if key != me
+            )
+            limit = self._header[_LIMIT]
+            if limit >= 0 and others + floor_bytes > limit:
+                raise ValueError(
+                    f"a floor of {format_bytes(floor_bytes)} for pid {self._pids[slot]} "
+                    f"and the other floors ({format_bytes(others)}) would pass the limit of "
+                    f"{format_bytes(limit)} on {self.device}"
+                )
+            for i in range(self._high()):
+                if self._holder(i) == me:  # the process's other slots hold none
+                    self._file.floors[i] = self._file.caps[i] = 0
+            self._file.floors[slot] = floor_bytes
+            self._file.caps[slot] = cap_bytes or 0
+            self._header[_REVISION] = revision + 1
+            return Limit(None if limit < 0 else limit, revision + 1)
+
+    def _slot_of(self, pid: int) -> int:
+        """The lowest slot of live process ``pid`` (caller holds the flock)."""
+        self._forget_dead()
+        for i in range(self._high()):
+            if self._pids[i] == pid:
+                return i
+        raise ValueError(
+            f"pid {pid} holds no slot on {self.device}: it has claimed nothing there "
+            f"(a floor or cap is set on a process that uses the device)"
+        )
 
     # -- claims ---------------------------------------------------------------
 
@@ -209,25 +236,31 @@ class Ledger:
         """Bytes this process claims on the device."""
         return 0 if self._slot is None else self._claims[self._slot]
 
-    def claim(self, size: int, timeout_s: float = 0.0) -> None:
+    def claim(self, size: int, timeout_s: float = 0.0, *, want: bool = True) -> None:
         """Claim ``size`` bytes for this process, before it creates them.
 
-        With no limit this is a store into the mapping. Under a limit, a claim
-        that does not fit waits up to ``timeout_s`` seconds for room, then
-        raises :class:`BudgetExceededError`.
+        With no limit and no cap this is a store into the mapping. Otherwise
+        a claim that does not fit posts a want of ``size`` bytes (see the
+        module; not with ``want=False``, for a try that has another way)
+        and waits up to ``timeout_s`` seconds for room, then raises
+        :class:`BudgetExceededError`.
         """
         slot = self._slot
-        if slot is not None and self._header[_LIMIT] < 0:  # the common case, inlined
-            with self._mutex:
+        if slot is not None and self._header[_LIMIT] < 0 and self._unbounded(slot):
+            with self._mutex:  # the common case, inlined
                 self._claims[slot] += size
             return
-        if self._try_claim(size):
+        if self._try_claim(size, want):
             return
         deadline = time.monotonic() + timeout_s
-        while not self._try_claim(size):
+        while not self._try_claim(size, want):
             if time.monotonic() >= deadline:
                 raise self._refusal(size)
             time.sleep(POLL_S)
+
+    def _unbounded(self, slot: int) -> bool:
+        """No cap on this slot and no want to pay down (two loads)."""
+        return not self._file.caps[slot] and not self._file.wants[slot]
 
     def claim_unchecked(self, size: int) -> None:
         """Claim ``size`` bytes without the limit's check: only for memory the
@@ -241,48 +274,127 @@ class Ledger:
             assert self._slot is not None, "giving back what was never claimed"
             self._claims[self._slot] -= size
 
-    def _try_claim(self, size: int) -> bool:
+    def _try_claim(self, size: int, want: bool) -> bool:
         with self._mutex:
             slot = self._own_slot()
-            limit = self._header[_LIMIT]
-            if limit < 0:
-                self._claims[slot] += size
-                return True
             with self._flocked():
-                fits = self._total() + size <= limit
+                fits = self._fits(slot, size)
                 if not fits and self._forget_dead():
-                    fits = self._total() + size <= limit
+                    fits = self._fits(slot, size)
+                now = time.monotonic_ns()
                 if fits:
                     self._claims[slot] += size
+                    self._pay_want(slot, size, now)
+                elif want:
+                    self._post_want(slot, size, now)
                 return fits
 
-    def _total(self) -> int:
-        """Bytes claimed in every slot (caller holds the flock): slots are
-        taken lowest first, so only those below the high-water mark count."""
-        return sum(self._claims[: self._header[_HIGH]])
+    def _fits(self, slot: int, size: int) -> bool:
+        """Whether ``size`` more bytes for ``slot``'s process keep within its
+        cap, and within the limit with every other process's unmet floor
+        kept (caller holds the flock)."""
+        limit = self._header[_LIMIT]
+        high = self._high()
+        if not any(self._file.floors[:high]) and not any(self._file.caps[:high]):
+            return limit < 0 or sum(self._claims[:high]) + size <= limit
+        processes = self._processes(forget=False)
+        me = processes[self._holder(slot) or ProcessId(0, 0)]
+        if me.cap and me.claimed + size > me.cap:
+            return False
+        if limit < 0:
+            return True
+        kept = sum(p.unmet_floor for p in processes.values() if p is not me)
+        return sum(p.claimed for p in processes.values()) + size + kept <= limit
+
+    def _post_want(self, slot: int, size: int, now: int) -> None:
+        """A refused claim of ``size`` bytes: the want is at least that, for
+        :data:`WANT_TTL_S` more (caller holds the flock)."""
+        file = self._file
+        if file.want_until[slot] <= now or not file.wants[slot]:
+            file.wants[slot] = 0
+            file.want_since[slot] = now
+        file.wants[slot] = max(file.wants[slot], size)
+        file.want_until[slot] = now + _WANT_TTL_NS
+
+    def _pay_want(self, slot: int, size: int, now: int) -> None:
+        """A claim of ``size`` bytes pays down the want; one paid off
+        records how long it waited (caller holds the flock)."""
+        file = self._file
+        if not file.wants[slot]:
+            return
+        if file.want_until[slot] <= now:
+            file.wants[slot] = 0
+            return
+        file.wants[slot] = max(0, file.wants[slot] - size)
+        if not file.wants[slot]:
+            file.waited[slot] = now - file.want_since[slot]
+
+    # -- pressure ---------------------------------------------------------------
+
+    def pressure(self, mine: Collection[int] | None = None) -> int:
+        """Bytes the other live processes want that the room cannot give
+        them now: what processes holding memory idle should give back (0:
+        none). ``mine`` are the pids that ask (an engine's processes; None:
+        this one): their wants are not counted. Costs a few loads when no
+        one else wants; reads under the lock otherwise.
+
+        The room is the limit less every claim and every process's unmet
+        floor, a wanting process's own floor being room for it; a want
+        counts up to its process's cap. With no limit, 0: a cap no other
+        process's memory can lift.
+        """
+        own = {os.getpid()} if mine is None else set(mine)
+        file, now = self._file, time.monotonic_ns()
+        if not any(
+            file.wants[i] and file.want_until[i] > now and file.pids[i] not in own
+            for i in range(self._high())
+        ):
+            return 0
+        with self._locked():
+            limit = self._header[_LIMIT]
+            if limit < 0:
+                return 0
+            processes = self._processes(forget=False)
+            asked, kept = 0, 0
+            for key, process in processes.items():
+                if key.pid in own or not process.wanted:
+                    kept += process.unmet_floor
+                    continue
+                want = process.wanted
+                if process.cap:
+                    want = min(want, max(0, process.cap - process.claimed))
+                asked += max(0, want - process.unmet_floor)
+            claimed = sum(p.claimed for p in processes.values())
+            return max(0, asked - max(0, limit - claimed - kept))
+
+    def _processes(self, *, forget: bool) -> dict[ProcessId, ProcessSum]:
+        """Every live process's slots summed, wants that lapsed left out;
+        with ``forget``, dead processes' slots zeroed first (caller holds
+        the flock)."""
+        if forget:
+            self._forget_dead()
+        file, now = self._file, time.monotonic_ns()
+        found: dict[ProcessId, ProcessSum] = {}
+        for i in range(self._high()):
+            key = self._holder(i)
+            if key is None:
+                continue
+            process = found.setdefault(key, ProcessSum())
+            process.claimed += file.claims[i]
+            process.wanted += file.wants[i] if file.want_until[i] > now else 0
+            process.floor += file.floors[i]
+            process.cap += file.caps[i]
+        return found
 
     def _refusal(self, size: int) -> BudgetExceededError:
-        view = self.read()
-        limit = view.limit.bytes
-        holders = tuple(
-            (process.pid, claimed, command_line(process.pid))
-            for process, claimed in sorted(view.claims.items(), key=lambda item: -item[1])
-            if claimed
-        )
-        who = ", ".join(
-            f"pid {pid} ({one_line(command)}) {format_bytes(claimed)}"
-            for pid, claimed, command in holders
-        )
-        detail = (
-            f"the budget of device {self.device} is {format_bytes(limit or 0)} and "
-            f"{format_bytes(view.claimed_bytes)} of it is claimed ({who or 'by nobody now'}); "
-            f"{format_bytes(size)} more was asked by pid {os.getpid()}. Wait for the room "
-            f"(extensible_kv.waiting_for_budget), free memory elsewhere, or raise the limit "
-            f"(extensible-kv limit)"
-        )
-        return BudgetExceededError(self.device, limit or 0, size, holders, detail)
+        return refusal(self.read(), size, this_process(self.state_dir))
 
     # -- slots and the file lock -------------------------------------------
+
+    def _high(self) -> int:
+        """Slots ever taken: only those below count (taken lowest first)."""
+        high: int = self._header[_HIGH]
+        return high
 
     def _own_slot(self) -> int:
         """This process's slot, taken on first use (caller holds the mutex)."""
@@ -299,12 +411,20 @@ class Ledger:
                     f"{self.path} has a slot for {SLOTS} live processes and all are taken"
                 )
             slot = free[0]
-            self._claims[slot] = 0
+            self._clear(slot)
             self._tokens[slot] = me.token
             self._pids[slot] = me.pid
             self._header[_HIGH] = max(self._header[_HIGH], slot + 1)
         self._slot = slot
         return slot
+
+    def _clear(self, slot: int) -> None:
+        """Zero every field of ``slot`` (caller holds the flock)."""
+        file = self._file
+        for view in (file.claims, file.wants, file.want_until, file.want_since, file.waited):
+            view[slot] = 0
+        file.floors[slot] = file.caps[slot] = 0
+        file.pids[slot] = file.tokens[slot] = 0
 
     def _forget_dead(self) -> bool:
         """Zero the slots of processes that died (caller holds the flock);
@@ -314,10 +434,8 @@ class Ledger:
             process = self._holder(i)
             if process is None or i == self._slot or is_alive(self.state_dir, process):
                 continue
-            returned |= self._claims[i] != 0
-            self._claims[i] = 0
-            self._pids[i] = 0
-            self._tokens[i] = 0
+            returned |= self._claims[i] != 0 or self._file.floors[i] != 0
+            self._clear(i)
             forget_dead(self.state_dir, process)
         return returned
 
@@ -341,86 +459,18 @@ class Ledger:
     # -- reading ----------------------------------------------------------------
 
     def read(self) -> LedgerView:
-        """The limit and the claims of live processes (dead ones' slots are
-        cleared on the way)."""
+        """The limit and the live processes (dead ones' slots are cleared on
+        the way)."""
         with self._locked():
-            self._forget_dead()
-            claims: dict[ProcessId, int] = {}
-            for i in range(SLOTS):
-                process = self._holder(i)
-                if process is not None:
-                    claims[process] = claims.get(process, 0) + self._claims[i]
-            return LedgerView(self.device, self._limit_now(), claims)
-
-
-def _open(path: Path) -> int:
-    """A read-write descriptor of the ledger at ``path``, made if missing.
-
-    A new ledger is written whole under a temporary name and linked into
-    place, so no process ever sees a half-made one.
-    """
-    try:
-        fd = _open_file(path)
-    except FileNotFoundError:
-        _create(path)
-        fd = _open_file(path)
-    try:
-        _validate(path, fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_file(path: Path) -> int:
-    """A read-write descriptor of the file at ``path`` itself, never of where
-    a symbolic link there points: FileNotFoundError if there is none, else
-    :class:`StateDirError` if it cannot be opened."""
-    try:
-        return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if path.is_symlink():
-            where = f"to {path.resolve()}" if path.exists() else "that points nowhere"
-            raise _foreign(path, f"is a symbolic link {where}; a ledger is a file") from None
-        raise _foreign(path, f"cannot be opened ({exc.strerror})") from None
-
-
-def _create(path: Path) -> None:
-    fresh = bytearray(FILE_BYTES)
-    _HEADER.pack_into(fresh, 0, MAGIC, VERSION, SLOTS, -1, 0, 0)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    try:
-        temporary.write_bytes(fresh)
-        os.chmod(temporary, 0o600)
-        os.link(temporary, path)
-    except FileExistsError:
-        pass
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def _validate(path: Path, fd: int) -> None:
-    size = os.fstat(fd).st_size
-    if size != FILE_BYTES:
-        raise _foreign(path, f"is {size} bytes long, not {FILE_BYTES}")
-    magic, version, slots, limit, revision, high = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
-    if magic != MAGIC:
-        raise _foreign(path, f"does not start with {MAGIC!r}")
-    if version != VERSION or slots != SLOTS:
-        raise _foreign(
-            path,
-            f"is a version {version} ledger with {slots} slots; this extensible-kv "
-            f"reads version {VERSION} with {SLOTS}",
-        )
-    if limit < -1 or revision < 0 or not 0 <= high <= SLOTS:
-        raise _foreign(path, f"holds a limit of {limit} at revision {revision}, {high} slots")
-
-
-def _foreign(path: Path, what: str) -> StateDirError:
-    return StateDirError(
-        f"{path} is not an extensible-kv ledger: it {what}. Remove it (the processes "
-        f"using that device lose their shared budget) or set EXTENSIBLE_KV_STATE_DIR "
-        f"to another directory"
-    )
+            file = self._file
+            holders = {}
+            for key, process in self._processes(forget=True).items():
+                waited = [file.waited[i] for i in range(self._high()) if self._holder(i) == key]
+                holders[key] = Holder(
+                    process.claimed,
+                    process.wanted,
+                    process.floor,
+                    process.cap or None,
+                    max(waited) / 1e9 if any(waited) else None,
+                )
+            return LedgerView(self.device, self._limit_now(), holders)

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.budget.ledger import Ledger, LedgerView
+from extensible_kv.budget.holders import LedgerView
+from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.liveness import ProcessId, forget_dead, is_alive
 from extensible_kv.budget.publish import PROCESS_SCHEMA
 from extensible_kv.budget.state_dir import STATE_DIR_ENV, StateDirError, prepare

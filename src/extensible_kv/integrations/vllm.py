@@ -68,6 +68,7 @@ from extensible_kv.integrations import (  # noqa: E402
     vllm_sleep,
     vllm_state,
 )
+from extensible_kv.integrations.vllm_budget import set_floor_and_cap  # noqa: E402
 from extensible_kv.integrations.vllm_client import client_pid, watch_client  # noqa: E402
 from extensible_kv.integrations.vllm_elastic import ElasticSteps  # noqa: E402
 from extensible_kv.integrations.vllm_handover import HandOver  # noqa: E402
@@ -202,6 +203,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         )
         layout = at_capacity(kv_cache_config, capacity)
         runner_config = vllm_commit.for_runner(layout, num_blocks)
+        set_floor_and_cap(self.device, self._options())
         vllm_connectors.check_connector_pool(self.vllm_config, runner_config)
         kv = allocate_kv_cache(
             layout,

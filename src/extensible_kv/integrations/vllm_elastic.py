@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,8 @@ class ElasticSteps:
         self.orders: ElasticOrders | None = None
         self.holding: ElasticOrders | None = None
         self.report: ElasticReport | None = None
+        #: Whether a report named this worker's budget ledgers yet.
+        self._told_ledgers = False
 
     def with_report(self, output: Any) -> Any:
         """``output`` (a step's, from vLLM's runner) carrying the report on
@@ -57,6 +60,7 @@ class ElasticSteps:
         orders: ElasticOrders | None = getattr(scheduler_output, "extensible_kv", None)
         if orders is not None:
             self.orders = orders
+            self.blocks.buffers.block_use = (orders.in_use_blocks, orders.cached_blocks)
             if asleep:
                 # Asleep: what the wake must come back to is these orders.
                 self.holding = dataclasses.replace(orders, wanted=())
@@ -67,7 +71,7 @@ class ElasticSteps:
                 return
             wake()
         if orders is not None:
-            self.report = self._agreed(self.blocks.apply(orders))
+            self.report = self._with_ledgers(self._agreed(self.blocks.apply(orders)))
             # What the scheduler counts once it reads the report: the held
             # units and the wanted ones granted.
             self.holding = dataclasses.replace(orders, held=self.blocks.held_units, wanted=())
@@ -81,6 +85,27 @@ class ElasticSteps:
                 f"({sorted(set(used))[:8]}...); run growth 'elastic' with "
                 f"scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'"
             )
+
+    def _with_ledgers(self, report: ElasticReport) -> ElasticReport:
+        """The first report also names every rank's budget ledger, so the
+        scheduler reads what other processes want on this engine's devices."""
+        if self._told_ledgers:
+            return report
+        self._told_ledgers = True
+        tensor = self.blocks.buffers.tensors[0][0]
+        accounting = tensor.buffer.driver.accounting(tensor.buffer.device)
+        mine = () if accounting is None else ((*accounting, os.getpid()),)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        every: list[Any] = [mine]
+        if group.world_size > 1:
+            import torch.distributed as dist
+
+            every = [None] * group.world_size
+            dist.all_gather_object(every, mine, group=group.cpu_group)
+        ledgers = tuple(tuple(entry) for each in every for entry in each)
+        return dataclasses.replace(report, ledgers=ledgers)
 
     def _agreed(self, report: ElasticReport) -> ElasticReport:
         """With tensor parallelism, the fewest units any rank got: every rank

@@ -6,7 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 #: The options ``additional_config["extensible_kv"]`` takes.
-OPTIONS = ("num_blocks_capacity", "growth", "budget_wait_s", "cache_bytes")
+OPTIONS = (
+    *("num_blocks_capacity", "growth", "budget_wait_s", "cache_bytes"),
+    *("floor_bytes", "cap_bytes"),
+)
 #: The values of the ``growth`` option.
 GROWTH_MODES = ("static", "on_demand", "elastic")
 #: What ``scheduler_cls`` names for ``growth: "elastic"``.
@@ -47,6 +50,7 @@ def options_of(vllm_config: Any) -> dict[str, Any]:
         raise _option_error(
             "cache_bytes", cache, "it bounds the prefix cache of growth 'elastic' only"
         )
+    _check_floor_and_cap(options)
     if growth in ("on_demand", "elastic") and vllm_config.kv_transfer_config is not None:
         raise _option_error(
             "growth",
@@ -57,6 +61,24 @@ def options_of(vllm_config: Any) -> dict[str, Any]:
     if growth == "elastic":
         check_scheduler(vllm_config)
     return options
+
+
+def _check_floor_and_cap(options: dict[str, Any]) -> None:
+    """``floor_bytes`` (an int, 0 or more) and ``cap_bytes`` (an int, 1 or
+    more), the floor not above the cap."""
+    floor, cap = options.get("floor_bytes", 0), options.get("cap_bytes")
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+        raise _option_error(
+            "floor_bytes",
+            floor,
+            "give the bytes this rank's budget keeps for it (an int, 0 or more)",
+        )
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise _option_error(
+            "cap_bytes", cap, "give the most bytes this rank may claim (an int, 1 or more)"
+        )
+    if cap is not None and floor > cap:
+        raise _option_error("floor_bytes", floor, f"it is above cap_bytes ({cap})")
 
 
 def check_scheduler(vllm_config: Any) -> None:

@@ -47,6 +47,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from extensible_kv.integrations.vllm_free_queue import PackedFreeQueue
 from extensible_kv.integrations.vllm_options import options_of
+from extensible_kv.integrations.vllm_pressure import Pressure
 from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, ranges_of, units_of
 from extensible_kv.kv.strided import segmentation
 
@@ -68,19 +69,26 @@ class ElasticPlan:
             :class:`PackedFreeQueue`).
         blocks_per_unit: blocks per unit.
         cache_blocks: the most blocks kept for the prefix cache.
+        floor_blocks: blocks never given back to other processes' wants.
     """
 
-    def __init__(self, pool: Any, blocks_per_unit: int, cache_blocks: int) -> None:
+    def __init__(
+        self, pool: Any, blocks_per_unit: int, cache_blocks: int, floor_blocks: int = 0
+    ) -> None:
         self.pool = pool
         self.queue = PackedFreeQueue(
             pool.blocks, pool.free_block_queue.get_all_free_blocks(), blocks_per_unit
         )
         pool.free_block_queue = self.queue
         self.cache_blocks = cache_blocks
+        self.floor_blocks = floor_blocks
         self.committed = bytearray(self.queue.num_units)
         self.committed[0] = 1
+        #: Blocks of the committed units.
+        self.held_blocks = len(self.queue.unit_blocks(0))
         self._pending: list[int] = []
         self._sent_held: tuple[tuple[int, int], ...] = ()  # the first plan sends
+        self._sent_use = (0, 0)
         self._seq = 0
         self._retry_at = 0.0
         self._held_cache: tuple[tuple[int, int], ...] | None = None
@@ -94,12 +102,15 @@ class ElasticPlan:
         no request runs, so that memory follows the load down)."""
         return self.queue.changed
 
-    def plan(self, demand_blocks: int) -> ElasticOrders | None:
+    def plan(self, demand_blocks: int, give_blocks: int = 0) -> ElasticOrders | None:
         """Orders for the next step, if they change anything: trim the cache
-        to its bound, give back empty units past ``demand_blocks`` free
-        blocks, ask for units up to it."""
+        to its bound (and by ``give_blocks`` more that other processes
+        want), give back empty units past ``demand_blocks`` free blocks, ask
+        for units up to it."""
         queue = self.queue
         self._bound_cache()
+        if give_blocks:
+            self._give(give_blocks)
         # The prefix cache is not spent on new blocks while memory can
         # still be committed: a burst waits a step for its units instead.
         queue.lend_cached = self._refused_recently() or all(self.committed)
@@ -111,12 +122,56 @@ class ElasticPlan:
             self._release(queue.num_clean - demand_blocks)
         queue.changed = False
         held = self._held_ranges()
-        if not wanted and held == self._sent_held:
+        use = (self.held_blocks - queue.num_clean - queue.num_cached, queue.num_cached)
+        if not wanted and held == self._sent_held and use == self._sent_use:
             return None
         self._seq += 1
         self._pending = wanted
-        self._sent_held = held
-        return ElasticOrders(self._seq, self.blocks_per_unit, held, ranges_of(wanted))
+        self._sent_held, self._sent_use = held, use
+        return ElasticOrders(self._seq, self.blocks_per_unit, held, ranges_of(wanted), *use)
+
+    def _give(self, blocks: int) -> None:
+        """Drop the prefix cache's units, least recently used first, until
+        ``blocks`` blocks are free to go back (the release that follows
+        gives them), keeping at least the floor's blocks held."""
+        queue = self.queue
+        doomed = self._only_cached_oldest_first()
+        left = self.held_blocks
+        for unit in doomed:
+            size = len(queue.unit_blocks(unit))
+            if blocks <= 0 or left - size < self.floor_blocks:
+                break
+            self._evict(unit)
+            blocks -= size
+            left -= size
+
+    def can_give(self) -> bool:
+        """Whether a unit no request holds could go back, above the floor."""
+        queue = self.queue
+        return any(
+            self.committed[unit]
+            and queue.holds_no_request(unit)
+            and self.held_blocks - len(queue.unit_blocks(unit)) >= self.floor_blocks
+            for unit in range(1, queue.num_units)
+        )
+
+    def _only_cached_oldest_first(self) -> list[int]:
+        """Units held only for cached blocks, the one used longest ago first."""
+        queue = self.queue
+        newest_first: dict[int, None] = {}
+        for block_id in reversed(queue.cached_oldest_first()):
+            unit = block_id // self.blocks_per_unit
+            if unit and queue.holds_no_request(unit):
+                newest_first.setdefault(unit)
+        return list(reversed(newest_first))
+
+    def _evict(self, unit: int) -> None:
+        """Drop ``unit``'s cached blocks from the prefix cache (vLLM's
+        ``evict_blocks``): the unit is empty after."""
+        doomed = self.queue.cached_of(unit)
+        self.pool.evict_blocks(set(doomed))
+        for block_id in doomed:
+            self.queue.forget(block_id)
 
     def _bound_cache(self) -> None:
         """Keep the units held only for cached blocks within ``cache_blocks``
@@ -132,20 +187,10 @@ class ElasticPlan:
             if queue.cached_in[unit] and queue.holds_no_request(unit)
         }
         excess = sum(only_cached.values()) - self.cache_blocks
-        if excess <= 0:
-            return
-        newest_first: dict[int, None] = {}
-        for block_id in reversed(queue.cached_oldest_first()):
-            unit = block_id // self.blocks_per_unit
-            if unit in only_cached:
-                newest_first.setdefault(unit)
-        for unit in reversed(newest_first):
+        for unit in self._only_cached_oldest_first():
             if excess <= 0:
                 break
-            doomed = queue.cached_of(unit)
-            self.pool.evict_blocks(set(doomed))
-            for block_id in doomed:
-                queue.forget(block_id)
+            self._evict(unit)
             excess -= only_cached[unit]
 
     def _refused_recently(self) -> bool:
@@ -182,6 +227,7 @@ class ElasticPlan:
             if size <= surplus_blocks and self.committed[unit] and queue.is_empty(unit):
                 queue.hide(unit)
                 self.committed[unit] = 0
+                self.held_blocks -= size
                 self._held_cache = None
                 surplus_blocks -= size
 
@@ -194,6 +240,7 @@ class ElasticPlan:
         units = units_of(orders.wanted)
         for unit in units[:granted]:
             self.committed[unit] = 1
+            self.held_blocks += len(self.queue.unit_blocks(unit))
             self.queue.reveal(unit)
         self._held_cache = None
         # What the workers hold now: a later release must be sent even when
@@ -248,8 +295,14 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         if cache_bytes is None:
             cache_bytes = default_cache_bytes(num_blocks * bytes_per_block)
         per_unit = blocks_per_unit(kv_cache_config)
+        # A rank's block across every tensor: what the budget counts.
+        rank_block = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors) // num_blocks
+        self._pressure = Pressure(rank_block)
         self._elastic = ElasticPlan(
-            self.kv_cache_manager.block_pool, per_unit, cache_bytes // bytes_per_block
+            self.kv_cache_manager.block_pool,
+            per_unit,
+            cache_bytes // bytes_per_block,
+            -(-int(options.get("floor_bytes", 0)) // rank_block),
         )
         logger.info(
             "extensible-kv: elastic KV memory, units of %d blocks, the prefix cache "
@@ -272,7 +325,10 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         orders = None
         if self._elastic is not None:
-            orders = self._elastic.plan(self._demand())
+            give = self._pressure.blocks_wanted()
+            orders = self._elastic.plan(self._demand(), give)
+            if give:
+                self._pressure.spent()
         output = super().schedule(*args, **kwargs)
         if orders is not None:
             output.extensible_kv = orders
@@ -280,16 +336,22 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         if self._elastic is not None:
-            self._elastic.confirm(
-                getattr(scheduler_output, "extensible_kv", None),
-                getattr(model_runner_output, "extensible_kv", None),
-            )
+            report = getattr(model_runner_output, "extensible_kv", None)
+            if report is not None and report.ledgers:
+                self._pressure.learn(report.ledgers)
+            self._elastic.confirm(getattr(scheduler_output, "extensible_kv", None), report)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def has_requests(self) -> bool:
+        """vLLM's answer; with elastic growth also true while orders wait
+        to go out, or while another process wants memory this engine holds
+        idle (a step gives it back)."""
         if super().has_requests():
             return True
-        return self._elastic is not None and self._elastic.needs_step()
+        elastic = self._elastic
+        if elastic is None:
+            return False
+        return elastic.needs_step() or (self._pressure.blocks_wanted() > 0 and elastic.can_give())
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         if self._elastic is None:

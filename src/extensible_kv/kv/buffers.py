@@ -24,34 +24,18 @@ from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.kv.block_tensors import BlockTensors
 from extensible_kv.kv.commit_queue import CommitQueue, serialized
 from extensible_kv.kv.commit_ticket import CommitTicket
+from extensible_kv.kv.published import published
 from extensible_kv.kv.registrations import ConnectorRegistrationWarning, Registrations
 from extensible_kv.kv.resize import Resizer
 from extensible_kv.kv.sleep import Sleep, SleepState
 from extensible_kv.kv.sleep_wake import SleepWake
 from extensible_kv.tensor import (
     ExtensibleTensor,
-    published_figures,
     reserve_ahead_all,
     stream_handles,
 )
 
 __all__ = ["ConnectorRegistrationWarning", "ExtensibleKVCacheBuffers", "KVCacheBuffers"]
-
-
-def _published(cache: KVCacheBuffers) -> dict[str, Any] | None:
-    """What ``extensible-kv top`` shows of a KV cache."""
-    if cache._freed or not cache.tensors:
-        return None
-    return published_figures(
-        cache.tensors[0][0],
-        "KVCacheBuffers",
-        reserved_bytes=cache.reserved_bytes,
-        committed_bytes=cache.committed_bytes,
-        physical_bytes=cache.physical_bytes,
-        asleep=cache.asleep,
-        blocks=cache.num_blocks_committed,
-        capacity_blocks=cache.num_blocks_capacity,
-    )
 
 
 class KVCacheBuffers:
@@ -85,11 +69,14 @@ class KVCacheBuffers:
         self._commits = CommitQueue(self._lock)
         self._wait_streams: tuple[int, ...] | None = None
         self._freed = False
+        #: ``(in_use, cached)`` blocks, as the engine's scheduler last
+        #: counted them (elastic growth), for ``extensible-kv top``.
+        self.block_use: tuple[int, int] | None = None
         for tensor, bytes_per_block in members.as_pairs(buffers):
             members.check_joining(tensor, bytes_per_block, num_blocks_capacity, self.tensors)
             self._blocks.append(tensor, bytes_per_block)
             tensor.publish_within(self)
-        register_cache(self, _published)
+        register_cache(self, published)
 
     def __repr__(self) -> str:
         return (

@@ -53,21 +53,30 @@ class ElasticOrders:
             the step fails (waiting for the budget as a wake does).
         wanted: unit ranges to commit ahead, lowest first, as far as the
             memory (a device budget) allows; the report says how many units.
+        in_use_blocks: blocks running requests hold, as the scheduler
+            counted them planning these orders (shown by ``extensible-kv top``).
+        cached_blocks: free blocks the prefix cache keeps, counted alike.
     """
 
     seq: int
     blocks_per_unit: int
     held: UnitRanges
     wanted: UnitRanges = ()
+    in_use_blocks: int = 0
+    cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class ElasticReport:
     """A worker's answer to :class:`ElasticOrders`: ``granted`` units of
-    ``wanted`` (the first ones, in order) are committed."""
+    ``wanted`` (the first ones, in order) are committed. The first report
+    also names, per rank, where its memory is claimed: ``(device_uuid,
+    state_dir, pid)`` of each budget ledger (empty without a budget), so
+    that the scheduler can read what other processes want there."""
 
     seq: int
     granted: int
+    ledgers: tuple[tuple[str, str, int], ...] = ()
 
 
 def units_of(ranges: Iterable[tuple[int, int]]) -> list[int]:
@@ -189,7 +198,10 @@ class ElasticBlocks:
         device budget's refusal raises
         :class:`~extensible_kv.BudgetExceededError`, after the wait
         ``waiting_for_budget`` allows); ``wanted`` runs are committed in
-        order until one is refused, and the report counts those committed.
+        order until one is refused, then the refused run unit by unit as
+        far as the memory goes, and the report counts the units committed.
+        Each refused claim tells a device budget's other processes what is
+        wanted (:meth:`~extensible_kv.budget.Ledger.pressure`).
         """
         self._check_orders(orders)
         if self.buffers.asleep:
@@ -201,14 +213,23 @@ class ElasticBlocks:
         self._commit(held)
         granted = 0
         for start, end in orders.wanted:
-            run = set(range(start, end)) - self._held
             try:
-                self._commit(run)
+                self._commit(set(range(start, end)))
             except OutOfMemoryError:
+                granted += self._commit_each(range(start, end))
                 break
             granted += end - start
         self.high_water = max(self.high_water, self.num_blocks_held)
         return ElasticReport(orders.seq, granted)
+
+    def _commit_each(self, units: range) -> int:
+        """Commit ``units`` one by one until one is refused; how many were."""
+        for count, unit in enumerate(units):
+            try:
+                self._commit({unit})
+            except OutOfMemoryError:
+                return count
+        return len(units)
 
     def give_back(self, units: Iterable[int]) -> None:
         """Release ``units`` (ones the scheduler did not grant after all:

@@ -1,0 +1,38 @@
+"""A worker's floor and cap in its device's budget (the ``floor_bytes`` and
+``cap_bytes`` options): what the budget keeps for this rank while it holds
+less, and the most it may hold. Set once, before the KV cache claims
+anything; they go when the process does."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from extensible_kv.budget import Ledger, state_dir
+from extensible_kv.devices import resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+def set_floor_and_cap(device: torch.device, options: dict[str, Any]) -> None:
+    """Give this process ``options``' floor and cap on ``device``'s budget,
+    if it names either. A floor the limit cannot hold beside the others'
+    raises ValueError, and the engine does not start."""
+    floor, cap = int(options.get("floor_bytes", 0)), options.get("cap_bytes")
+    if not floor and cap is None:
+        return
+    device, driver = resolve_device(device, None)
+    ledger = Ledger(state_dir(), driver.device_uuid(device.index or 0))
+    try:
+        written = ledger.set_floor_and_cap(floor, cap)
+    finally:
+        ledger.close()
+    logger.info(
+        "extensible-kv: this rank's floor %d bytes and cap %s on %s (budget revision %d)",
+        floor,
+        "none" if cap is None else f"{cap} bytes",
+        ledger.device,
+        written.revision,
+    )

@@ -1,0 +1,76 @@
+"""What other processes on an engine's devices want, in the engine's blocks:
+the scheduler's side of memory flowing between engines (``growth:
+"elastic"`` under a device budget).
+
+A process whose claim a device's limit refuses posts a want in the device's
+ledger (:meth:`~extensible_kv.budget.Ledger.pressure`). The scheduler reads
+the ledgers its workers named in their first report, and gives back blocks
+no running request holds (the prefix cache's, least recently used first,
+then free ones) until the want is met, never below the engine's floor.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from extensible_kv.budget import Ledger
+
+#: Seconds a reading of the ledgers is reused: the engine's loop asks for
+#: every step, and a want waits a step or two at most for it.
+READ_EVERY_S = 0.02
+
+
+class Pressure:
+    """The ledgers of an engine's workers, read for what others want.
+
+    Args:
+        bytes_per_block: bytes one block takes on one rank (every tensor,
+            every segment).
+    """
+
+    def __init__(self, bytes_per_block: int) -> None:
+        self.bytes_per_block = bytes_per_block
+        #: Per ledger: the ledger and the engine's ranks that claim there.
+        self._ledgers: dict[tuple[str, str], tuple[Ledger, int]] = {}
+        self._pids: set[int] = set()
+        self._read_at = 0.0
+        self._blocks = 0
+
+    def learn(self, ledgers: tuple[tuple[str, str, int], ...]) -> None:
+        """The ranks' ``(device_uuid, state_dir, pid)`` from a report."""
+        for device, where, pid in ledgers:
+            key = (device, where)
+            ledger, ranks = self._ledgers.get(key) or (Ledger(Path(where), device), 0)
+            self._ledgers[key] = (ledger, ranks + 1)
+            self._pids.add(pid)
+
+    @property
+    def known(self) -> bool:
+        """Whether any worker named a ledger (it claims under a budget)."""
+        return bool(self._ledgers)
+
+    def blocks_wanted(self) -> int:
+        """Blocks this engine should give back now so that others' wants
+        are met (0: none), on the device that lacks the most; read at most
+        every :data:`READ_EVERY_S` seconds."""
+        now = time.monotonic()
+        if now - self._read_at < READ_EVERY_S:
+            return self._blocks
+        self._read_at = now
+        most = 0
+        for ledger, ranks in self._ledgers.values():
+            lacking = ledger.pressure(self._pids)
+            per_block = self.bytes_per_block * ranks
+            most = max(most, -(-lacking // per_block))
+        self._blocks = most
+        return most
+
+    def spent(self) -> None:
+        """Blocks were given back: the next question reads the ledgers again."""
+        self._read_at = 0.0
+
+    def close(self) -> None:
+        for ledger, _ in self._ledgers.values():
+            ledger.close()
+        self._ledgers.clear()
