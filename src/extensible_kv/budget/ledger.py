@@ -196,6 +196,9 @@ class Ledger:
                 f"a floor of {format_bytes(floor_bytes)} is above the cap of "
                 f"{format_bytes(cap_bytes)}: a process cannot be kept more than it may hold"
             )
+        if pid is None:
+            with self._mutex:  # taking a slot takes the file's lock itself
+                self._own_slot()
         with self._locked():
             revision = self._check_revision(expect_revision)
             slot = self._own_slot() if pid is None else self._slot_of(pid)
@@ -338,9 +341,9 @@ class Ledger:
         this one): their wants are not counted. Costs a few loads when no
         one else wants; reads under the lock otherwise.
 
-        The room is the limit less every claim and every process's unmet
-        floor, a wanting process's own floor being room for it; a want
-        counts up to its process's cap. With no limit, 0: a cap no other
+        The room is the limit less every claim and the unmet floors of the
+        processes that do not want (a wanting process's own floor is room
+        for it); a want counts up to its process's cap. With no limit, 0: a cap no other
         process's memory can lift.
         """
         own = {os.getpid()} if mine is None else set(mine)
@@ -363,9 +366,15 @@ class Ledger:
                 want = process.wanted
                 if process.cap:
                     want = min(want, max(0, process.cap - process.claimed))
-                asked += max(0, want - process.unmet_floor)
+                asked += want
             claimed = sum(p.claimed for p in processes.values())
             return max(0, asked - max(0, limit - claimed - kept))
+
+    def floors_of(self, pids: Collection[int]) -> int:
+        """Bytes of the floors of the processes ``pids`` together (loads from
+        the mapping, no lock: a floor is one store)."""
+        file = self._file
+        return sum(file.floors[i] for i in range(self._high()) if file.pids[i] in pids)
 
     def _processes(self, *, forget: bool) -> dict[ProcessId, ProcessSum]:
         """Every live process's slots summed, wants that lapsed left out;

@@ -36,6 +36,10 @@ class Pressure:
         self._pids: set[int] = set()
         self._read_at = 0.0
         self._blocks = 0
+        #: Blocks the engine keeps under others' wants: its ranks' floors in
+        #: the budget (the ``floor_bytes`` option, or set with
+        #: ``extensible-kv limit --floor``), as last read.
+        self.floor_blocks = 0
 
     def learn(self, ledgers: tuple[tuple[str, str, int], ...]) -> None:
         """The ranks' ``(device_uuid, state_dir, pid)`` from a report."""
@@ -58,12 +62,12 @@ class Pressure:
         if now - self._read_at < READ_EVERY_S:
             return self._blocks
         self._read_at = now
-        most = 0
+        most, floor = 0, 0
         for ledger, ranks in self._ledgers.values():
-            lacking = ledger.pressure(self._pids)
             per_block = self.bytes_per_block * ranks
-            most = max(most, -(-lacking // per_block))
-        self._blocks = most
+            most = max(most, -(-ledger.pressure(self._pids) // per_block))
+            floor = max(floor, -(-ledger.floors_of(self._pids) // per_block))
+        self._blocks, self.floor_blocks = most, floor
         return most
 
     def spent(self) -> None:

@@ -299,10 +299,7 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         rank_block = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors) // num_blocks
         self._pressure = Pressure(rank_block)
         self._elastic = ElasticPlan(
-            self.kv_cache_manager.block_pool,
-            per_unit,
-            cache_bytes // bytes_per_block,
-            -(-int(options.get("floor_bytes", 0)) // rank_block),
+            self.kv_cache_manager.block_pool, per_unit, cache_bytes // bytes_per_block
         )
         logger.info(
             "extensible-kv: elastic KV memory, units of %d blocks, the prefix cache "
@@ -326,6 +323,7 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         orders = None
         if self._elastic is not None:
             give = self._pressure.blocks_wanted()
+            self._elastic.floor_blocks = self._pressure.floor_blocks
             orders = self._elastic.plan(self._demand(), give)
             if give:
                 self._pressure.spent()
