@@ -91,6 +91,31 @@ def test_a_refused_wanted_run_stops_the_grant_and_held_units_stay(
         cache.free()
 
 
+def test_a_refused_wanted_run_is_granted_unit_by_unit_as_far_as_the_memory_goes(
+    stats: StatisticsDriver, device: str
+) -> None:
+    granule = stats.granularity(0, False)
+    limited = FaultInjectingDriver(stats)
+    cache = elastic_cache(device, limited)
+    try:
+        elastic = ElasticBlocks(cache, CAPACITY)
+        elastic.start()
+        elastic.apply(ElasticOrders(1, 4, held=((0, 2),)))
+        limited.byte_limit = expected_physical(cache, blocks_of({0, 1, 2, 3}, 4), granule)
+
+        def fits(units: int) -> bool:  # the first ``units`` wanted ones with those held
+            needed = expected_physical(cache, blocks_of(set(range(2 + units)), 4), granule)
+            return needed <= limited.byte_limit
+
+        granted = max(k for k in range(5) if fits(k))
+        assert 2 <= granted < 4  # the run of 4 is refused, a part of it fits
+        report = elastic.apply(ElasticOrders(2, 4, held=((0, 2),), wanted=((2, 6),)))
+        assert report.granted == granted
+        assert elastic.held_units == ((0, 2 + granted),)
+    finally:
+        cache.free()
+
+
 def test_sleep_gives_everything_back_and_wake_commits_unit_0_then_what_orders_hold(
     cache: KVCacheBuffers,
 ) -> None:
