@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from extensible_kv.budget import (
+    SCHEMA_VERSION,
     Ledger,
     Limit,
     StateDirError,
@@ -28,6 +29,7 @@ from extensible_kv.budget import (
     snapshot,
     state_dir,
 )
+from extensible_kv.budget.liveness import one_line
 from extensible_kv.budget.snapshot import device_type
 from extensible_kv.demo import FlowReport, FlowSettings, ModelConfig, run_flow, run_ranks
 from extensible_kv.driver import (
@@ -39,13 +41,23 @@ from extensible_kv.driver import (
     unavailable_reason,
 )
 from extensible_kv.driver.select import is_rocm
-from extensible_kv.limits import named_device, set_device_limit, total_bytes
+from extensible_kv.limits import (
+    KEEP,
+    FloorAndCap,
+    NamedDevice,
+    named_device,
+    read_cap,
+    read_floor,
+    set_device_limit,
+    set_floor_and_cap,
+    total_bytes,
+)
 from extensible_kv.top import live, render
 
 MiB = 1 << 20
-# Wide enough that no table cuts a name when the output is not a terminal
-# (rich assumes 80 columns then).
-console = Console(width=None if sys.stdout.isatty() else 140)
+# Wide enough that no table cuts a name or a figure when the output is not a
+# terminal (rich assumes 80 columns then): top's widest table takes about 180.
+console = Console(width=None if sys.stdout.isatty() else 200)
 
 DESCRIPTION = """\
 Growable, sleepable KV caches on GPU virtual memory (and Linux host memory).
@@ -54,7 +66,8 @@ Growable, sleepable KV caches on GPU virtual memory (and Linux host memory).
   demo    the runner flow on a tiny paged-attention model: reserve, warm up,
           size, generate, sleep, wake, generate again, checked token by token
   bench   the benchmarks, each a ratio to a baseline timed in the same run
-  limit   show or set the memory every process may claim on a device together
+  limit   show or set the memory every process may claim on a device together,
+          and what is kept for one process (floor) and the most it may claim (cap)
   top     every process's caches and claims, per device, live
 """
 
@@ -361,14 +374,13 @@ def _local_names() -> dict[str, str]:
 
 
 def limit(args: argparse.Namespace) -> int:
+    if (args.pid, args.floor, args.cap) != (None, None, None):
+        return _floor_and_cap(args)
     if args.device is None:
         return _show_limits(args)
     if args.size is None:
         args.parser.error("give a SIZE (64MiB, 8GiB, 50%) or off")
-    try:
-        named = named_device(args.device)
-    except (ValueError, BackendUnavailableError) as exc:
-        args.parser.error(f"argument DEVICE: {exc}")
+    named = _named(args)
     try:
         size = None if args.size == "off" else parse_size(args.size, total_bytes(named))
     except ValueError as exc:
@@ -382,25 +394,123 @@ def limit(args: argparse.Namespace) -> int:
     return 0
 
 
-#: A row of ``limit --json``: keys of ``top``'s snapshot of a device.
+def _named(args: argparse.Namespace) -> NamedDevice:
+    """The DEVICE argument, or the argparse error saying why not."""
+    parser: argparse.ArgumentParser = args.parser
+    try:
+        return named_device(args.device)
+    except (ValueError, BackendUnavailableError) as exc:
+        parser.error(f"argument DEVICE: {exc}")
+
+
+def _floor_and_cap(args: argparse.Namespace) -> int:
+    """``limit DEVICE --pid PID --floor SIZE --cap SIZE``: one process's
+    floor and cap; the one not given stays as the ledger has it."""
+    parser: argparse.ArgumentParser = args.parser
+    if args.pid is None:
+        parser.error("--floor and --cap need --pid PID: the process they are for")
+    if args.floor is None and args.cap is None:
+        parser.error(f"give --floor SIZE, --cap SIZE or both for pid {args.pid}")
+    if args.device is None:
+        parser.error("give the DEVICE the process claims on (cpu, cuda:N or a device UUID)")
+    if args.size is not None:
+        parser.error("give a SIZE for the device's limit or --pid's floor and cap, not both")
+    named = _named(args)
+    total = total_bytes(named)
+    try:
+        floor = KEEP if args.floor is None else read_floor(args.floor, total)
+    except ValueError as exc:
+        parser.error(f"argument --floor: {exc}")
+    try:
+        cap = KEEP if args.cap is None else read_cap(args.cap, total)
+    except ValueError as exc:
+        parser.error(f"argument --cap: {exc}")
+    written = set_floor_and_cap(
+        named.uuid, args.pid, floor=floor, cap=cap, expect_revision=args.revision
+    )
+    if args.json:
+        print(json.dumps(_process_row(named.uuid, args.pid, written), indent=2))
+        return 0
+    console.print(
+        f"{named.name} ({named.uuid}): pid {args.pid} floor {_floor_text(written.floor_bytes)}, "
+        f"cap {_cap_text(written.cap_bytes)}, revision {written.revision}"
+    )
+    return 0
+
+
+def _floor_text(floor: int) -> str:
+    return format_bytes(floor) if floor else "none"
+
+
+def _cap_text(cap: int | None) -> str:
+    return "none" if cap is None else format_bytes(cap)
+
+
+def _process_row(uuid: str, pid: int, written: FloorAndCap) -> dict[str, Any]:
+    """A floor and cap just written, as ``limit --pid --json`` prints them (bytes)."""
+    ledger = Ledger(state_dir(), uuid)
+    try:
+        holders = ledger.read().holders
+    finally:
+        ledger.close()
+    claimed = sum(held.claimed_bytes for process, held in holders.items() if process.pid == pid)
+    return {
+        "device": uuid,
+        "type": device_type(uuid),
+        "revision": written.revision,
+        "pid": pid,
+        "claimed_bytes": claimed,
+        "floor_bytes": written.floor_bytes,
+        "cap_bytes": written.cap_bytes,
+    }
+
+
+#: A row of ``limit --json``: keys of ``top``'s snapshot of a device, and
+#: ``processes`` where any process there has a floor or a cap.
 _LIMIT_KEYS = ("device", "type", "limit_bytes", "revision", "claimed_bytes")
+#: A process in a row's ``processes``: keys of ``top``'s snapshot of it.
+_PROCESS_KEYS = ("pid", "claimed_bytes", "floor_bytes", "cap_bytes")
 
 
 def _limit_row(uuid: str, written: Limit) -> dict[str, Any]:
     """A limit just written, as a row of ``limit --json``'s listing (bytes)."""
     ledger = Ledger(state_dir(), uuid)
     try:
-        claimed = ledger.read().claimed_bytes
+        view = ledger.read()
     finally:
         ledger.close()
-    row = (uuid, device_type(uuid), written.bytes, written.revision, claimed)
-    return dict(zip(_LIMIT_KEYS, row, strict=True))
+    row = dict(
+        zip(
+            _LIMIT_KEYS,
+            (uuid, device_type(uuid), written.bytes, written.revision, view.claimed_bytes),
+            strict=True,
+        )
+    )
+    processes = [
+        dict(zip(_PROCESS_KEYS, (p.pid, h.claimed_bytes, h.floor_bytes, h.cap_bytes), strict=True))
+        for p, h in sorted(view.holders.items(), key=lambda item: item[0].pid)
+    ]
+    return row | _with_floor_or_cap(processes)
+
+
+def _with_floor_or_cap(processes: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"processes": [...]}``: those of ``processes`` with a floor or a
+    cap, narrowed to :data:`_PROCESS_KEYS`; ``{}`` when there are none."""
+    kept = [
+        {key: process[key] for key in _PROCESS_KEYS}
+        for process in processes
+        if process["floor_bytes"] or process["cap_bytes"] is not None
+    ]
+    return {"processes": kept} if kept else {}
 
 
 def _show_limits(args: argparse.Namespace) -> int:
     state = snapshot(state_dir())
     if args.json:
-        rows = [{key: device[key] for key in _LIMIT_KEYS} for device in state["devices"]]
+        rows = [
+            {key: device[key] for key in _LIMIT_KEYS} | _with_floor_or_cap(device["processes"])
+            for device in state["devices"]
+        ]
         print(json.dumps(rows, indent=2))
         return 0
     if not state["devices"]:
@@ -419,7 +529,29 @@ def _show_limits(args: argparse.Namespace) -> int:
             str(device["revision"]),
         )
     console.print(table)
+    floors = _floors_table(state, names)
+    if floors is not None:
+        console.print(floors)
     return 0
+
+
+def _floors_table(state: dict[str, Any], names: dict[str, str]) -> Table | None:
+    """Every process with a floor or a cap, per device (None: no such process)."""
+    table = Table(title="floors and caps", title_justify="left")
+    for column in ("device", "pid", "command", "claimed", "floor", "cap"):
+        table.add_column(column, justify="left" if column in ("device", "command") else "right")
+    for device in state["devices"]:
+        for process in device["processes"]:
+            if process["floor_bytes"] or process["cap_bytes"] is not None:
+                table.add_row(
+                    names.get(device["device"], device["type"]),
+                    str(process["pid"]),
+                    one_line(process["command"], 48),
+                    format_bytes(process["claimed_bytes"]),
+                    _floor_text(process["floor_bytes"]),
+                    _cap_text(process["cap_bytes"]),
+                )
+    return table if table.row_count else None
 
 
 def top(args: argparse.Namespace) -> int:
@@ -554,10 +686,16 @@ def _parser() -> argparse.ArgumentParser:
     b.set_defaults(run=bench)
     lim = commands.add_parser(
         "limit",
-        help="show or set a device's memory limit, shared by every process",
+        help="show or set a device's memory limit, shared by every process, and "
+        "one process's floor and cap",
         description="Limit the memory every process of this user may claim on a device\n"
-        "together; with no argument, show the limits. A limit below what is\n"
-        "claimed refuses new claims until enough is given back.",
+        "together; with no argument, show the limits (and every floor and cap).\n"
+        "A limit below what is claimed refuses new claims until enough is given\n"
+        "back. With --pid, set that process's floor (kept for it while it holds\n"
+        "less; others' claims cannot take it) and cap (the most it may claim)\n"
+        "on DEVICE instead; the one not given stays as it is:\n\n"
+        "  extensible-kv limit cuda:0 --pid 4117 --floor 8GiB --cap 30GiB\n"
+        "  extensible-kv limit cuda:0 --pid 4117 --cap none",
         formatter_class=_Formatter,
     )
     lim.add_argument("device", nargs="?", metavar="DEVICE", help="cpu, cuda:N or a device UUID")
@@ -565,13 +703,33 @@ def _parser() -> argparse.ArgumentParser:
         "size", nargs="?", metavar="SIZE", help="64MiB, 8GiB, 1.5GB, 50%% of the device, or off"
     )
     lim.add_argument(
+        "--pid",
+        type=_positive,
+        default=None,
+        help="the process whose floor or cap is set: one that claims on DEVICE",
+    )
+    lim.add_argument(
+        "--floor",
+        metavar="SIZE",
+        default=None,
+        help="keep this much for --pid while it holds less (a size as above; 0 for none)",
+    )
+    lim.add_argument(
+        "--cap",
+        metavar="SIZE",
+        default=None,
+        help="the most --pid may claim (a size as above; none for no cap)",
+    )
+    lim.add_argument(
         "--revision",
         type=lambda text: _whole(text, 0),
         default=None,
-        help="set only if the limit is still at this revision (as shown), else fail",
+        help="set only if the device is still at this revision (as shown), else fail",
     )
     lim.add_argument(
-        "--json", action="store_true", help="print the limits, or the limit set, as JSON"
+        "--json",
+        action="store_true",
+        help="print the limits, or the limit, floor or cap set, as JSON",
     )
     lim.set_defaults(run=limit, parser=lim)
     t = commands.add_parser(
@@ -583,7 +741,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--once", action="store_true", help="print one snapshot and exit")
     t.add_argument(
-        "--json", action="store_true", help="print one snapshot as JSON (schema_version 1)"
+        "--json",
+        action="store_true",
+        help=f"print one snapshot as JSON (schema_version {SCHEMA_VERSION})",
     )
     t.set_defaults(run=top)
     return parser

@@ -9,7 +9,7 @@ import sys
 import termios
 import time
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -48,39 +48,90 @@ def _device_title(device: dict[str, Any], names: dict[str, str]) -> Text:
             f"revision {device['revision']}",
             style=style,
         )
+    wanted = sum(p["wanted_bytes"] for p in device["processes"])
+    if wanted:
+        title.append(f", wanted {format_bytes(wanted)}", style="yellow")
     return title
 
 
+#: Columns of a cache's row, each with its cell; in use and cached (blocks
+#: running requests hold, and free blocks the prefix cache keeps) show where
+#: any cache on the device reports them (an elastic vLLM engine's).
+_CACHE_CELLS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "cache": lambda c: str(c["kind"]),
+    "reserved": lambda c: format_bytes(c["reserved_bytes"]),
+    "committed": lambda c: format_bytes(c["committed_bytes"]),
+    "physical": lambda c: format_bytes(c["physical_bytes"]),
+    "in use": lambda c: _size(c.get("in_use_bytes")),
+    "cached": lambda c: _size(c.get("cached_bytes")),
+    "asleep": lambda c: _asleep(c["asleep"]),
+}
+#: Columns of a process (on its first row), each with its cell: the flow is
+#: claimed (held), then wanted; waited, floor and cap show where any
+#: process on the device has one.
+_PROCESS_CELLS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "claimed": lambda p: format_bytes(p["claimed_bytes"]),
+    "wanted": lambda p: format_bytes(p["wanted_bytes"]) if p["wanted_bytes"] else "-",
+    "waited": lambda p: "-" if p["waited_s"] is None else f"{p['waited_s']:.2f} s",
+    "floor": lambda p: format_bytes(p["floor_bytes"]) if p["floor_bytes"] else "-",
+    "cap": lambda p: _size(p["cap_bytes"]),
+}
+#: The optional columns, and whether a process gives one a figure.
+_SHOWN_IF: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "in use": lambda p: p["in_use_bytes"] is not None,
+    "cached": lambda p: p["cached_bytes"] is not None,
+    "waited": lambda p: p["waited_s"] is not None,
+    "floor": lambda p: bool(p["floor_bytes"]),
+    "cap": lambda p: p["cap_bytes"] is not None,
+}
+
+
+def _shown(columns: Iterable[str], device: dict[str, Any]) -> list[str]:
+    """``columns`` less the optional ones no process on ``device`` has."""
+    return [
+        column
+        for column in columns
+        if column not in _SHOWN_IF or any(map(_SHOWN_IF[column], device["processes"]))
+    ]
+
+
+def _device_table(device: dict[str, Any], names: dict[str, str]) -> Table:
+    table = Table(title=_device_title(device, names), title_justify="left", expand=False)
+    cache_columns = _shown(_CACHE_CELLS, device)
+    process_columns = _shown(_PROCESS_CELLS, device)
+    table.add_column("pid", justify="right")
+    table.add_column("command")
+    for column in (*cache_columns, *process_columns):
+        left = column in ("cache", "asleep")
+        table.add_column(column, justify="left" if left else "right", no_wrap=True)
+    if not device["processes"]:
+        table.caption = "no live process holds memory here"
+    for process in device["processes"]:
+        first = [_PROCESS_CELLS[column](process) for column in process_columns]
+        rest = [""] * len(first)
+        for index, cache in enumerate(process["caches"] or [None]):
+            table.add_row(
+                str(process["pid"]) if index == 0 else "",
+                one_line(process["command"], 48) if index == 0 else "",
+                *(
+                    "-" if cache is None else _CACHE_CELLS[column](cache)
+                    for column in cache_columns
+                ),
+                *(first if index == 0 else rest),
+            )
+    return table
+
+
 def render(state: dict[str, Any], names: dict[str, str] | None = None) -> RenderableType:
-    """One snapshot as a table per device (``names``: UUID -> local name)."""
+    """One snapshot as a table per device (``names``: UUID -> local name):
+    per cache its sizes, in use and cached bytes (where its engine counts
+    them) and whether it is asleep; per process its claim and want, and
+    how long its last want waited, its floor and its cap where any process
+    on the device has one."""
     names = names or {}
     if not state["devices"]:
         return Text(f"no process has claimed memory (state in {state['state_dir']})")
-    parts: list[RenderableType] = []
-    for device in state["devices"]:
-        table = Table(title=_device_title(device, names), title_justify="left", expand=False)
-        for column in ("pid", "command", "cache", "reserved", "committed", "physical"):
-            table.add_column(column, justify="left" if column in ("command", "cache") else "right")
-        table.add_column("asleep")
-        table.add_column("claimed", justify="right")
-        if not device["processes"]:
-            table.caption = "no live process holds memory here"
-        for process in device["processes"]:
-            caches = process["caches"] or [None]
-            for index, cache in enumerate(caches):
-                first = index == 0
-                table.add_row(
-                    str(process["pid"]) if first else "",
-                    one_line(process["command"], 48) if first else "",
-                    "-" if cache is None else cache["kind"],
-                    _size(None if cache is None else cache["reserved_bytes"]),
-                    _size(None if cache is None else cache["committed_bytes"]),
-                    _size(None if cache is None else cache["physical_bytes"]),
-                    _asleep(None if cache is None else cache["asleep"]),
-                    format_bytes(process["claimed_bytes"]) if first else "",
-                )
-        parts.append(table)
-    return Group(*parts)
+    return Group(*(_device_table(device, names) for device in state["devices"]))
 
 
 def live(console: Console, names: dict[str, str]) -> None:

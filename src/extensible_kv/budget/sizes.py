@@ -24,18 +24,21 @@ _SIZE_RE = re.compile(r"\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)
 _PERCENT_RE = re.compile(r"\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*%\s*")
 
 
-def parse_size(text: str, total_bytes: int | None = None) -> int:
+def parse_size(text: str, total_bytes: int | None = None, *, zero: bool = False) -> int:
     """``text`` in bytes: a number with an optional unit (B, KB, MB, GB, TB or
     KiB, MiB, GiB, TiB, any case), or a percentage of ``total_bytes``.
 
     Decimals are read exactly (``2.01MB`` is 2,010,000 bytes). A size must
-    be a whole number of bytes, from one to :data:`MAX_SIZE_BYTES`; a
-    percentage in (0, 100] is rounded down to whole bytes, and is at least
-    one. Raises ValueError saying what is accepted.
+    be a whole number of bytes, from one (zero with ``zero``: a floor) to
+    :data:`MAX_SIZE_BYTES`; a percentage in (0, 100] is rounded down to
+    whole bytes, and is at least one. Raises ValueError saying what is
+    accepted.
     """
     percent = _PERCENT_RE.fullmatch(text)
     size = (
-        _bytes(text) if percent is None else _share(text, Fraction(percent["number"]), total_bytes)
+        _bytes(text, 0 if zero else 1)
+        if percent is None
+        else _share(text, Fraction(percent["number"]), total_bytes)
     )
     if size > MAX_SIZE_BYTES:
         raise ValueError(
@@ -45,8 +48,8 @@ def parse_size(text: str, total_bytes: int | None = None) -> int:
     return size
 
 
-def _bytes(text: str) -> int:
-    """``text``, a number and an optional unit, in whole bytes (at least one)."""
+def _bytes(text: str, least: int) -> int:
+    """``text``, a number and an optional unit, in whole bytes (at least ``least``)."""
     match = _SIZE_RE.fullmatch(text)
     unit = None if match is None else _UNITS.get(match["unit"].lower())
     if match is None or unit is None:
@@ -54,8 +57,8 @@ def _bytes(text: str) -> int:
     size = Fraction(match["number"]) * unit
     if size.denominator != 1:
         raise ValueError(f"{text!r} is not a whole number of bytes")
-    if size < 1:
-        raise ValueError(f"a size must be at least 1 byte, got {text!r}")
+    if size < least:
+        raise ValueError(f"a size must be at least {least} byte, got {text!r}")
     return int(size)
 
 

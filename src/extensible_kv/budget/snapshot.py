@@ -8,14 +8,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.budget.holders import LedgerView
+from extensible_kv.budget.holders import Holder, LedgerView
 from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.liveness import ProcessId, forget_dead, is_alive
 from extensible_kv.budget.publish import PROCESS_SCHEMA
 from extensible_kv.budget.state_dir import STATE_DIR_ENV, StateDirError, prepare
 
 #: Version of the snapshot's layout; a change that removes or renames a key
-#: increments it.
+#: increments it (keys are added within a version: docs/budget.md).
 SCHEMA_VERSION = 1
 
 _CACHE_KEYS = {
@@ -102,8 +102,9 @@ def snapshot(state_dir: Path) -> dict[str, Any]:
     """The state directory as one JSON-ready document:
     ``{"schema_version", "state_dir", "devices": [{"device", "type",
     "limit_bytes", "revision", "claimed_bytes", "processes": [{"pid",
-    "command", "claimed_bytes", "caches": [...]}]}]}``; devices by UUID,
-    processes by pid."""
+    "command", "claimed_bytes", "wanted_bytes", "floor_bytes", "cap_bytes",
+    "waited_s", "in_use_bytes", "cached_bytes", "caches": [...]}]}]}``;
+    devices by UUID, processes by pid (keys: docs/budget.md)."""
     ledgers = {view.device: view for view in read_ledgers(state_dir)}
     records = read_processes(state_dir)
     uuids = set(ledgers)
@@ -112,32 +113,59 @@ def snapshot(state_dir: Path) -> dict[str, Any]:
     devices = []
     for uuid in sorted(uuids):
         view = ledgers.get(uuid)
-        claims = {} if view is None else view.claims
+        holders = {} if view is None else view.holders
         processes = []
-        for process in sorted(set(claims) | set(records), key=lambda p: (p.pid, p.token)):
+        for process in sorted(set(holders) | set(records), key=lambda p: (p.pid, p.token)):
             record = records.get(process, {})
             caches = [c for c in record.get("caches", []) if c["device_uuid"] == uuid]
-            if process not in claims and not caches:
+            if process not in holders and not caches:
                 continue
-            processes.append(
-                {
-                    "pid": process.pid,
-                    "command": record.get("command", ""),
-                    "claimed_bytes": claims.get(process, 0),
-                    "caches": caches,
-                }
-            )
+            processes.append(_process(process, record, holders.get(process), caches))
         devices.append(
             {
                 "device": uuid,
                 "type": device_type(uuid),
                 "limit_bytes": None if view is None else view.limit.bytes,
                 "revision": 0 if view is None else view.limit.revision,
-                "claimed_bytes": sum(claims.values()),
+                "claimed_bytes": sum(held.claimed_bytes for held in holders.values()),
                 "processes": processes,
             }
         )
     return {"schema_version": SCHEMA_VERSION, "state_dir": str(state_dir), "devices": devices}
+
+
+def _process(
+    process: ProcessId,
+    record: dict[str, Any],
+    held: Holder | None,
+    caches: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """One process on one device: its entry in the ledger (``held``; None:
+    it has none there), what it published, and its ``caches`` there."""
+    held = held or Holder(0)
+    return {
+        "pid": process.pid,
+        "command": record.get("command", ""),
+        "claimed_bytes": held.claimed_bytes,
+        "wanted_bytes": held.wanted_bytes,
+        "floor_bytes": held.floor_bytes,
+        "cap_bytes": held.cap_bytes,
+        "waited_s": held.waited_s,
+        "in_use_bytes": _summed(caches, "in_use_bytes"),
+        "cached_bytes": _summed(caches, "cached_bytes"),
+        "caches": caches,
+    }
+
+
+def _summed(caches: list[dict[str, Any]], key: str) -> int | None:
+    """``key`` summed over the caches that report it (None: none does);
+    a value that is not a whole number counts as not reported."""
+    values = [
+        value
+        for cache in caches
+        if isinstance(value := cache.get(key), int) and not isinstance(value, bool)
+    ]
+    return sum(values) if values else None
 
 
 def _foreign(path: Path, what: str) -> StateDirError:

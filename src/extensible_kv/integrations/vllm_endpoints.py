@@ -85,58 +85,70 @@ def instance_state(pids: set[int]) -> dict[str, Any]:
 
 
 class _StateCollector:
-    """One snapshot as Prometheus gauges (bytes; ``asleep`` 0 or 1); a
-    collector as prometheus_client registers one."""
+    """One snapshot as Prometheus gauges (bytes; ``asleep`` 0 or 1;
+    seconds); a collector as prometheus_client registers one. A figure the
+    snapshot has as null (no limit, no cap, no want met yet, a cache that
+    does not count its blocks in use) is left out."""
 
     def __init__(self, state: dict[str, Any]) -> None:
         self._state = state
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         device_labels = ["device", "type"]
-        limit = GaugeMetricFamily(
-            "extensible_kv_device_limit_bytes",
-            "The device's limit (absent without one).",
-            labels=device_labels,
-        )
-        revision = GaugeMetricFamily(
-            "extensible_kv_device_limit_revision",
-            "The device limit's revision (0: never set).",
-            labels=device_labels,
-        )
-        claimed = GaugeMetricFamily(
-            "extensible_kv_device_claimed_bytes",
-            "What every live process claims on the device.",
-            labels=device_labels,
-        )
-        process_claimed = GaugeMetricFamily(
-            "extensible_kv_process_claimed_bytes",
-            "What one of this instance's processes claims on the device.",
-            labels=[*device_labels, "pid"],
-        )
-        cache_labels = [*device_labels, "pid", "kind", "cache"]
+        devices = {
+            key: GaugeMetricFamily(f"extensible_kv_device_{name}", text, labels=device_labels)
+            for key, name, text in (
+                ("limit_bytes", "limit_bytes", "The device's limit (absent without one)."),
+                ("revision", "limit_revision", "The device limit's revision (0: never set)."),
+                ("claimed_bytes", "claimed_bytes", "What every live process claims on the device."),
+            )
+        }
+        process_labels = [*device_labels, "pid"]
+        processes = {
+            key: GaugeMetricFamily(f"extensible_kv_process_{name}", text, labels=process_labels)
+            for key, name, text in _PROCESS_GAUGES
+        }
+        cache_labels = [*process_labels, "kind", "cache"]
         caches = {
             key: GaugeMetricFamily(f"extensible_kv_cache_{key}", text, labels=cache_labels)
-            for key, text in (
-                ("reserved_bytes", "Address space reserved (no memory)."),
-                ("committed_bytes", "Bytes of the committed blocks."),
-                ("physical_bytes", "Memory mapped, in whole granules."),
-                ("asleep", "1 between a sleep and its wake."),
-            )
+            for key, text in _CACHE_GAUGES
         }
         for device in self._state["devices"]:
             labels = [device["device"], device["type"]]
-            if device["limit_bytes"] is not None:
-                limit.add_metric(labels, device["limit_bytes"])
-            revision.add_metric(labels, device["revision"])
-            claimed.add_metric(labels, device["claimed_bytes"])
+            _add(devices, device, labels)
             for process in device["processes"]:
                 pid = str(process["pid"])
-                process_claimed.add_metric([*labels, pid], process["claimed_bytes"])
+                _add(processes, process, [*labels, pid])
                 for index, cache in enumerate(process["caches"]):
                     values = {**cache, "asleep": int(bool(cache.get("asleep")))}
-                    for key, family in caches.items():
-                        family.add_metric([*labels, pid, cache["kind"], str(index)], values[key])
-        yield from (limit, revision, claimed, process_claimed, *caches.values())
+                    _add(caches, values, [*labels, pid, cache["kind"], str(index)])
+        yield from (*devices.values(), *processes.values(), *caches.values())
+
+
+#: A process's gauges: the snapshot's key, the gauge's name, its help.
+_PROCESS_GAUGES = (
+    ("claimed_bytes", "claimed_bytes", "What the process claims on the device."),
+    ("wanted_bytes", "wanted_bytes", "What it asked for, was refused, and has not got yet."),
+    ("floor_bytes", "floor_bytes", "Kept for it while it holds less (0: none)."),
+    ("cap_bytes", "cap_bytes", "The most it may claim (absent without a cap)."),
+    ("waited_s", "waited_seconds", "How long its last met want waited (absent: none yet)."),
+)
+#: A cache's gauges: the snapshot's key (the gauge's name) and its help.
+_CACHE_GAUGES = (
+    ("reserved_bytes", "Address space reserved (no memory)."),
+    ("committed_bytes", "Bytes of the committed blocks."),
+    ("physical_bytes", "Memory mapped, in whole granules."),
+    ("asleep", "1 between a sleep and its wake."),
+    ("in_use_bytes", "Bytes of the blocks running requests hold (elastic growth only)."),
+    ("cached_bytes", "Bytes of the free blocks vLLM's prefix cache keeps (elastic growth only)."),
+)
+
+
+def _add(families: dict[str, GaugeMetricFamily], values: dict[str, Any], labels: list[str]) -> None:
+    """``values[key]`` to the family of each key, where it is not null."""
+    for key, family in families.items():
+        if values.get(key) is not None:
+            family.add_metric(labels, values[key])
 
 
 def metrics_text(state: dict[str, Any]) -> bytes:
