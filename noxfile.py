@@ -57,6 +57,7 @@ def vllm(session: nox.Session) -> None:
         "tests/test_vllm_server.py",
         "tests/test_vllm_rl.py",
         "tests/test_vllm_connectors.py",
+        "tests/test_vllm_several.py",
         *session.posargs,
     )
 

@@ -2,12 +2,16 @@
 
     nox -s vllm -- --bench            # or, where vLLM is installed:
     python benchmarks/bench_vllm.py --rounds 3 --out bench-results/vllm.json
+    python benchmarks/bench_vllm.py --only several --out bench-results/several.json
 
 The ``vllm`` suite of ``extensible-kv bench`` (``extensible_kv.bench.engine``),
 on its own: stock vLLM, ours with static growth and ours with memory that
 follows the load, each round in processes of their own; then the ``elastic``
 case (a bursty day on stock, static and elastic growth; with ``--out``, its
-plot beside the JSON as ``elastic-memory.png``). The table gives
+plot beside the JSON as ``elastic-memory.png``); then the ``several`` case
+(two OpenAI servers taking turns at bursts under one limit, against a
+static split of it; ``several-memory.png``). ``--only several`` runs that
+case alone. The table gives
 median [min-max] over the rounds and ours over stock as ratios; the JSON
 holds every run and each kind's resident-memory timeline, which
 ``extensible-kv bench`` plots. On CPU stock vLLM's sleep does nothing (it
@@ -20,7 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
-from extensible_kv.bench import elastic, engine
+from extensible_kv.bench import elastic, engine, several
 
 
 def main() -> None:
@@ -28,18 +32,45 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="engines of each kind (default 3)")
     parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size (default 512)")
     parser.add_argument("--out", type=Path, help="write the results and the table as JSON here")
+    parser.add_argument(
+        "--only", choices=["several"], help="run this case alone (default: the whole suite)"
+    )
+    parser.add_argument(
+        "--skip",
+        choices=["elastic", "several"],
+        action="append",
+        default=[],
+        help="leave this case out (repeat for both)",
+    )
     args = parser.parse_args()
+    if args.only == "several":
+        why = engine.unavailable()
+        if why is not None:
+            raise SystemExit(why)
+        alone = several.case(args.rounds, lambda step: print(step, flush=True))
+        text = "several case\n\n" + several.markdown(alone)
+        print(text)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"several": alone, "table": text}, indent=2))
+            several.plot(alone, args.out.with_name("several-memory.png"))
+        return
     results = engine.suite(
-        args.rounds, args.kv_mib * engine.MiB, lambda step: print(step, flush=True)
+        args.rounds, args.kv_mib * engine.MiB, lambda step: print(step, flush=True), args.skip
     )
     if "skipped" in results:
         raise SystemExit(results["skipped"])
-    text = engine.markdown(results) + "\n\nelastic case\n\n" + elastic.markdown(results["elastic"])
+    text = engine.markdown(results)
+    for name, case in (("elastic", elastic), ("several", several)):
+        if name in results:
+            text += f"\n\n{name} case\n\n" + case.markdown(results[name])
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({**results, "table": text}, indent=2))
-        elastic.plot(results["elastic"], args.out.with_name("elastic-memory.png"))
+        for name, case in (("elastic", elastic), ("several", several)):
+            if name in results:
+                case.plot(results[name], args.out.with_name(f"{name}-memory.png"))
 
 
 if __name__ == "__main__":

@@ -149,3 +149,73 @@ def test_a_bench_cut_short_keeps_the_suites_it_finished(
     results = json.loads((tmp_path / "results.json").read_text())
     assert {"commit_vs_zeros", "growth", "sleep_wake"} <= set(results)
     assert "large_wake" not in results
+
+
+def _several_run(kind: str, bursts: int = 4) -> dict[str, Any]:
+    """One run of the ``several`` case's ``kind``, made up: what its child
+    would report, through the same :func:`figures`."""
+    from extensible_kv.bench import several
+
+    ours = kind != "split"
+    # [seconds, claimed MiB of A, of B, wanted MiB of A, of B] every 50 ms:
+    # B idles at 28 MiB, A's burst is refused at 52 and B gives a unit back.
+    points = [[0.05 * i, 4.0, 28.0, 0.0, 0.0] for i in range(1, 5)]
+    points += [[0.25, 52.0, 28.0, 2.0, 0.0], [0.30, 52.0, 28.0, 2.0, 0.0]]
+    points += [[0.35, 52.0, 24.0, 2.0, 0.0], [0.40, 56.0, 24.0, 0.0, 0.0]]
+    trace = {
+        "engines": ["A", "B"],
+        "limit_bytes": 80 << 20,
+        "floor_bytes": 8 << 20,
+        "points": points,
+        "met": [],
+        "marks": [[0.1, "A bursts"]],
+    }
+    runs = []
+    for index in range(bursts):
+        results = [
+            {"ttft_s": (1 if ours else 3) * (i + 1) / 16, "tokens": 32, "cached_tokens": 64}
+            for i in range(16)
+        ]
+        burst: dict[str, Any] = {"engine": "AB"[index % 2], "seconds": 1.0, "results": results}
+        if ours:
+            burst |= {"peak_mib": 56.0, "other_most_mib": 28.0, "other_least_mib": 24.0}
+            burst |= {"wants": [], "ledger_waited_s": [0.12]}
+        runs.append(burst)
+    idle = {"A": 8 << 20, "B": 8 << 20} if ours else None
+    return several.figures(runs, idle, trace if ours else None, 30.0)
+
+
+def test_the_several_case_times_wants_from_the_ledgers_samples() -> None:
+    from extensible_kv.bench import serving, several
+
+    (want,) = serving.want_episodes(_several_run("shared")["timeline"])
+    assert want["engine"] == "A"
+    assert want["wanted_mib"] == 2.0
+    # Shown at 0.25 s (so begun after 0.20 s); B's unit back at 0.35 s made
+    # the room: 80 - 52 - 24 = 4 MiB covers the 2 MiB wanted.
+    assert want["room_s"] == pytest.approx(0.15)
+    assert serving.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert serving.percentile([float(i) for i in range(1, 101)], 0.99) == 99.0
+    assert several.needed_bytes(16) == 16 * 18 * (256 << 10)  # 568 tokens: 18 blocks each
+
+
+def test_the_several_case_reports_its_goals_table_and_plot(tmp_path: Path) -> None:
+    from extensible_kv.bench import several
+    from extensible_kv.bench.report import several_table
+
+    runs = {kind: [_several_run(kind), _several_run(kind)] for kind in several.KINDS}
+    results = several.summary(2, runs)
+    assert results["stats"]["split"]["wants"] is None
+    assert results["stats"]["shared"]["ttft_p99_s"]["median"] == 1.0
+    assert results["ratios"]["time to first token p99, split / shared"] == pytest.approx(3.0)
+    idle, want, ttft = results["goals"]
+    assert idle["met"]
+    assert idle["measured"] == "1.00x (shared)"
+    assert want["met"]
+    assert want["measured"] == "room there in 0.15 s at most"
+    assert ttft["met"]
+    table = several.markdown(results)
+    assert "| time to first token, p99 (s) | 3 [3-3] | 1 [1-1] | 1 [1-1] |" in table
+    assert several_table(results).row_count == len(several.FIGURES) + 4 + 3
+    pytest.importorskip("matplotlib")
+    assert several.plot(results, tmp_path / "several.png").stat().st_size > 10_000

@@ -2,7 +2,10 @@
 stock, static and on-demand engines, then the elastic case, each in
 processes of their own; its JSON, table and plot. Not part of ``nox -s
 vllm`` (it takes about five minutes of the engine users' command): CI runs
-it beside it, ``nox -s vllm -- tests/test_vllm_bench.py``."""
+it beside it, ``nox -s vllm -- tests/test_vllm_bench.py``. The ``several``
+case is left out here (``--skip several``: three more minutes); its servers,
+streams and plot run in the example's test (``tests/test_vllm_engine.py``)
+and its figures' arithmetic in ``tests/test_bench.py``."""
 
 from __future__ import annotations
 
@@ -20,7 +23,10 @@ def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vllm.py"
     out = tmp_path / "vllm.json"
     result = subprocess.run(
-        [sys.executable, str(bench), "--rounds", "1", "--kv-mib", "64", "--out", str(out)],
+        [
+            *(sys.executable, str(bench), "--rounds", "1", "--kv-mib", "64"),
+            *("--skip", "several", "--out", str(out)),
+        ],
         capture_output=True,
         text=True,
         timeout=900,

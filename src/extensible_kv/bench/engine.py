@@ -12,7 +12,9 @@ then ``wake_kv_cache`` and ``wake_up(tags=["scheduling"])``; stock has no
 such call), and its resident memory sampled every 20 ms over the whole
 run. Figures are min, median and max over the rounds; ratios are medians,
 ours over stock. Then the ``elastic`` case (:mod:`extensible_kv.bench.elastic`):
-a bursty day on stock, static and elastic growth. Runs only where vLLM is
+a bursty day on stock, static and elastic growth; and the ``several`` case
+(:mod:`extensible_kv.bench.several`): two servers taking turns at bursts
+under one limit, against a static split of it. Runs only where vLLM is
 installed.
 """
 
@@ -28,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -207,9 +209,13 @@ def child_figures(module: str, *args: str) -> dict[str, Any]:
 
 
 def suite(
-    rounds: int, kv_bytes: int, progress: Callable[[str], None] = lambda _: None
+    rounds: int,
+    kv_bytes: int,
+    progress: Callable[[str], None] = lambda _: None,
+    skip: Collection[str] = (),
 ) -> dict[str, Any]:
-    """Every kind, ``rounds`` times, in turn; or ``{"skipped": why}``."""
+    """Every kind, ``rounds`` times, in turn, then the cases not in ``skip``
+    (``"elastic"``, ``"several"``); or ``{"skipped": why}``."""
     why = unavailable()
     if why is not None:
         return {"skipped": why}
@@ -234,12 +240,13 @@ def suite(
         for kind, figures in stats.items()
         if kind != "stock"
     }
-    from extensible_kv.bench import elastic
+    from extensible_kv.bench import elastic, several
 
+    cases = {"elastic": elastic.case, "several": several.case}
     return {
         "kv_bytes": kv_bytes,
         "rounds": rounds,
-        "elastic": elastic.case(rounds, progress),
+        **{name: run(rounds, progress) for name, run in cases.items() if name not in skip},
         "stats": stats,
         "ratios": ratios,
         "stock_sleep_frees": _median(stock["rss_asleep"]) < 0.99 * _median(stock["rss_before"]),

@@ -169,6 +169,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
         out.append(vllm)
     if "elastic" in results.get("vllm", {}):
         out.append(elastic_table(results["vllm"]["elastic"]))
+    if "several" in results.get("vllm", {}):
+        out.append(several_table(results["vllm"]["several"]))
     out.append(goals(results))
     return out
 
@@ -240,6 +242,18 @@ def elastic_table(elastic: dict[str, Any]) -> Table:
         f"11. vLLM on a bursty day: stock, static and elastic growth "
         f"({elastic['kv_bytes'] // MiB} MiB KV, {elastic['rounds']} rounds): median [min-max]",
         rows(elastic),
+    )
+
+
+def several_table(several: dict[str, Any]) -> Table:
+    """The ``vllm`` suite's ``several`` case: two servers under one limit
+    against a static split of it, median [min-max], and the goals."""
+    from extensible_kv.bench.several import rows
+
+    return _table(
+        f"12. two vLLM servers under one {several['limit_bytes'] // MiB} MiB limit, alternating "
+        f"bursts, against a static split ({several['rounds']} rounds): median [min-max]",
+        rows(several),
     )
 
 
@@ -386,10 +400,12 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     files.append(path)
     vllm = results.get("vllm")
     if vllm is not None and "skipped" not in vllm:
-        from extensible_kv.bench import elastic
+        from extensible_kv.bench import elastic, several
 
         files.append(plot_vllm(vllm, out / "vllm-memory.png"))
         files.append(elastic.plot(vllm["elastic"], out / "elastic-memory.png"))
+        if "several" in vllm:
+            files.append(several.plot(vllm["several"], out / "several-memory.png"))
     return files
 
 

@@ -37,6 +37,7 @@ from extensible_kv._checks import check_int
 from extensible_kv.buffer import commit_together, release_outside_together
 from extensible_kv.driver import OutOfMemoryError
 from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.tensor import reserving
 
 #: Ranges of units, ``(start, end)``, end exclusive.
 UnitRanges = tuple[tuple[int, int], ...]
@@ -262,9 +263,12 @@ class ElasticBlocks:
             return
         ranges = self._byte_ranges(new)
         tensors = [tensor for tensor, _ in self.buffers.tensors]
-        mapped = commit_together(
-            [(tensor.buffer, r) for tensor, r in zip(tensors, ranges, strict=True)]
-        )
+        requests = [(tensor.buffer, r) for tensor, r in zip(tensors, ranges, strict=True)]
+        # One hold for the whole run: under a device budget it is claimed
+        # (or refused) at once, so a refusal tells the other processes the
+        # run's size, not one granule's (Ledger.pressure).
+        with reserving([(b, sum(b.chunk_sizes(r)), 0) for b, r in requests]):
+            mapped = commit_together(requests)
         for tensor, runs in zip(tensors, mapped, strict=True):
             if not tensor.buffer.driver.zeroes_new_memory:
                 full = tensor.full_view()

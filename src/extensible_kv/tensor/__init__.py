@@ -12,6 +12,7 @@ from extensible_kv.tensor.group import (
     release_physical_all,
     remap_per_segment_all,
     reserve_ahead_all,
+    reserving,
     resize_per_segment_all,
 )
 from extensible_kv.tensor.remap import defragment_all, shrink_per_segment_all
@@ -26,6 +27,7 @@ __all__ = [
     "release_physical_all",
     "remap_per_segment_all",
     "reserve_ahead_all",
+    "reserving",
     "resize_per_segment_all",
     "shrink_per_segment_all",
     "stream_handles",
