@@ -365,7 +365,11 @@ def test_bad_configuration_is_one_clear_line(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"capacity": 4096}, "with num_blocks_capacity, growth, budget_wait_s, cache_bytes only"),
+        (
+            {"capacity": 4096},
+            "with num_blocks_capacity, growth, budget_wait_s, cache_bytes, floor_bytes, "
+            "cap_bytes only",
+        ),
         ({"budget_wait_s": -1}, "budget_wait_s'] is -1"),
         ({"growth": "lazy"}, "give one of 'static', 'on_demand', 'elastic'"),
         ({"cache_bytes": 1 << 20}, "of growth 'elastic' only"),
