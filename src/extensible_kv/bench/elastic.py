@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.bench.engine import child_figures, quiet_vllm_cpu, spread
+from extensible_kv.bench.engine import child_figures, markdown_table, quiet_vllm_cpu, spread
 
 MiB = 1 << 20
 KV_BYTES = 128 * MiB
@@ -240,9 +240,7 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
 
 def markdown(results: dict[str, Any]) -> str:
     """:func:`rows` as a Markdown table."""
-    head, *body = rows(results)
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
+    return markdown_table(rows(results))
 
 
 def plot(results: dict[str, Any], path: Path) -> Path:

@@ -305,7 +305,12 @@ def _cell(spread: dict[str, float]) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     """:func:`rows` as a Markdown table."""
-    head, *body = rows(results)
+    return markdown_table(rows(results))
+
+
+def markdown_table(table: list[list[str]]) -> str:
+    """Rows of cells, the first the header, as a Markdown table."""
+    head, *body = table
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
 

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from extensible_kv.bench.elastic import prompt
-from extensible_kv.bench.engine import child_figures, spread
+from extensible_kv.bench.engine import child_figures, markdown_table, spread
 from extensible_kv.bench.serving import (
     SAMPLE_S,
     Server,
@@ -408,9 +408,7 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
 
 def markdown(results: dict[str, Any]) -> str:
     """:func:`rows` as a Markdown table."""
-    head, *body = rows(results)
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
+    return markdown_table(rows(results))
 
 
 def plot(results: dict[str, Any], path: Path) -> Path:
