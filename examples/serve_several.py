@@ -46,7 +46,7 @@ def main() -> int:
     )
     parser.add_argument("--floor-mib", type=int, default=8, help="each server's floor (default 8)")
     parser.add_argument(
-        "--cache-mib", type=int, default=24, help="each server's prefix cache at most (default 24)"
+        "--cache-mib", type=int, default=40, help="each server's prefix cache at most (default 40)"
     )
     parser.add_argument("--model", help="a model directory (default: a tiny random Llama)")
     parser.add_argument(

@@ -35,12 +35,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from extensible_kv import ExtensibleTensor
 from extensible_kv.budget import Ledger, StaleRevisionError
 from extensible_kv.budget.ledger import WANT_TTL_S
 from extensible_kv.budget.ledger_file import FILE_BYTES, HEADER_BYTES, SLOTS, V1_FILE_BYTES
 from extensible_kv.budget.liveness import this_process
 from extensible_kv.budget.state_dir import prepare
-from extensible_kv.driver import BudgetExceededError
+from extensible_kv.devices import BudgetDriver, without_wants
+from extensible_kv.driver import BudgetExceededError, backend
 
 MiB = 1 << 20
 #: Seconds a child may take to answer.
@@ -339,3 +341,19 @@ def test_floors_and_caps_are_revisioned_with_the_limit(state: Path) -> None:
             ledger.claim(40 * MiB)
     finally:
         ledger.close()
+
+
+def test_a_claim_refused_without_wants_asks_no_one(state: Path) -> None:
+    budget = BudgetDriver(backend("cpu"), state_dir=state)
+    ledger = budget.ledger(0)
+    ledger.set_limit(2 * MiB)
+    tensor = ExtensibleTensor(64 * MiB, "cpu", driver=budget)
+    try:
+        with without_wants(), pytest.raises(BudgetExceededError):
+            tensor.resize_(4 * MiB)
+        assert ledger.pressure(mine=()) == 0  # nobody was asked
+        with pytest.raises(BudgetExceededError):
+            tensor.resize_(4 * MiB)
+        assert ledger.pressure(mine=()) == 2 * MiB  # the want beyond the 2 MiB of room
+    finally:
+        tensor.free()

@@ -17,6 +17,8 @@ Invariants, after every rule:
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +31,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
-from extensible_kv.integrations.vllm_scheduler import ElasticPlan
+from extensible_kv.integrations.vllm_scheduler import REFUSED_RETRY_S, ElasticPlan
 from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, units_of
 
 NUM_BLOCKS = 70  # 9 units of 8, the last one short
@@ -57,6 +59,19 @@ class Worker:
         return ElasticReport(orders.seq, granted)
 
 
+def free(pool: Any, blocks: list[Any], hashes: Iterator[int] | None = None) -> None:
+    """A request's end: its blocks go back to ``pool``, each given a hash
+    (kept by the prefix cache) when ``hashes`` are given."""
+    if hashes is not None:
+        for block in blocks:
+            if block.block_hash is None and block.ref_cnt == 1:
+                digest = BlockHash(next(hashes).to_bytes(8, "little"))
+                hashed = make_block_hash_with_group_id(digest, 0)
+                block.set_block_hash(hashed)
+                pool.cached_block_hash_to_block.insert(hashed, block)
+    pool.free_blocks(reversed(blocks))
+
+
 class ElasticScheduling(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -66,6 +81,8 @@ class ElasticScheduling(RuleBasedStateMachine):
         self.requests: dict[int, list[Any]] = {}
         self.ids = itertools.count()
         self.hashes = itertools.count()
+        #: Whether the worker ever refused units (the budget said no).
+        self.refused = False
 
     @rule(cache_units=st.integers(0, 4), budget=st.integers(1, 9))
     @precondition(lambda self: self.plan is None)
@@ -83,15 +100,7 @@ class ElasticScheduling(RuleBasedStateMachine):
     @precondition(lambda self: self.requests)
     def finish(self, data: st.DataObject, cache: bool) -> None:
         key = data.draw(st.sampled_from(sorted(self.requests)))
-        blocks = self.requests.pop(key)
-        if cache:
-            for block in blocks:
-                if block.block_hash is None and block.ref_cnt == 1:
-                    digest = BlockHash(next(self.hashes).to_bytes(8, "little"))
-                    hashed = make_block_hash_with_group_id(digest, 0)
-                    block.set_block_hash(hashed)
-                    self.pool.cached_block_hash_to_block.insert(hashed, block)
-        self.pool.free_blocks(reversed(blocks))
+        free(self.pool, self.requests.pop(key), self.hashes if cache else None)
 
     @rule(data=st.data())
     @precondition(lambda self: self.plan is not None)
@@ -107,7 +116,15 @@ class ElasticScheduling(RuleBasedStateMachine):
     def step(self, demand: int) -> None:
         assert self.plan is not None
         orders = self.plan.plan(demand)
+        queue = self.plan.queue
+        if orders is not None and orders.ask_others:
+            # Others are asked only after a refusal, and only for what the
+            # engine's own free and cached blocks cannot lend.
+            assert self.refused
+            assert queue.num_clean + queue.num_cached < demand
         report = None if orders is None else self.worker.apply(orders)
+        if orders is not None and report.granted < len(units_of(orders.wanted)):
+            self.refused = True
         self.plan.confirm(orders, report)
         committed = {u for u, flag in enumerate(self.plan.committed) if flag}
         if orders is not None or not self.plan.needs_step():
@@ -166,3 +183,48 @@ ElasticScheduling.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 test_elastic_scheduling = ElasticScheduling.TestCase
+
+
+def refused_once() -> tuple[ElasticOrders, ElasticOrders | None]:
+    """A plan whose first orders a budget of two units refuses in part: the
+    first orders and the ones after the retry's wait."""
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+    plan = ElasticPlan(pool, PER_UNIT, 4 * PER_UNIT)
+    worker = Worker(budget_units=2)
+    first = plan.plan(40)
+    assert first is not None
+    assert first.wanted
+    report = worker.apply(first)
+    assert report.granted < len(units_of(first.wanted))
+    plan.confirm(first, report)
+    time.sleep(REFUSED_RETRY_S)
+    return first, plan.plan(40)
+
+
+def test_an_engine_asks_others_only_once_refused_and_out_of_its_own_cache() -> None:
+    first, retry = refused_once()
+    assert not first.ask_others  # the first try asks nobody
+    assert retry is not None
+    assert retry.ask_others  # refused, nothing of its own to lend
+
+
+def test_an_engine_lends_its_own_prefix_cache_before_asking_others() -> None:
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+    plan = ElasticPlan(pool, PER_UNIT, 8 * PER_UNIT)
+    worker = Worker(budget_units=9)
+    orders = plan.plan(40)  # five units more, granted
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    free(pool, pool.get_new_blocks(40), itertools.count())  # all cached now
+    worker.budget_units = len(worker.held)  # the budget full
+    orders = plan.plan(60)
+    assert orders is not None
+    assert orders.wanted
+    assert not orders.ask_others
+    plan.confirm(orders, worker.apply(orders))
+    time.sleep(REFUSED_RETRY_S)
+    orders = plan.plan(44)  # its 40 cached blocks and 7 free ones lend it
+    assert orders is not None
+    assert orders.wanted
+    assert not orders.ask_others
+    assert plan.queue.lend_cached

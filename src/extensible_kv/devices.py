@@ -13,11 +13,18 @@ from typing import Any
 
 import torch
 
-from extensible_kv.budget.adaptor import BudgetDriver, waiting_for_budget
+from extensible_kv.budget.adaptor import BudgetDriver, waiting_for_budget, without_wants
 from extensible_kv.driver.protocol import Driver
 from extensible_kv.driver.select import backend, parse_device
 
-__all__ = ["BudgetDriver", "get_driver", "resolve_device", "stream_handles", "waiting_for_budget"]
+__all__ = [
+    "BudgetDriver",
+    "get_driver",
+    "resolve_device",
+    "stream_handles",
+    "waiting_for_budget",
+    "without_wants",
+]
 
 #: The DLPack device types a driver may serve, by torch's device type.
 _DLPACK_TYPES = {"cpu": (1,), "cuda": (2, 10)}

@@ -62,6 +62,28 @@ def waiting_for_budget(timeout_s: float) -> Iterator[None]:
         _waits.timeout_s = before
 
 
+@contextmanager
+def without_wants() -> Iterator[None]:
+    """Within this block, on this thread, a claim the device's limit refuses
+    posts no want (:meth:`~extensible_kv.budget.Ledger.pressure`): the other
+    processes are not asked to give memory back. For a try that has another
+    way to the memory (an elastic cache that can still lend its own prefix
+    cache first)."""
+    before = getattr(_waits, "want", True)
+    _waits.want = False
+    try:
+        yield
+    finally:
+        _waits.want = before
+
+
+def _claim(ledger: Ledger, size: int) -> None:
+    """Claim ``size`` bytes from ``ledger`` as this thread's blocks say:
+    how long to wait (:func:`waiting_for_budget`), whether a refusal posts
+    a want (:func:`without_wants`)."""
+    ledger.claim(size, getattr(_waits, "timeout_s", 0.0), want=getattr(_waits, "want", True))
+
+
 @dataclass
 class _Account:
     """One thread's open :meth:`BudgetDriver.prepaid` block on one device:
@@ -171,13 +193,13 @@ class BudgetDriver(DriverAdaptor):
         account = accounts.get(ledger)
         if account is not None:
             if size > account.balance:
-                ledger.claim(size - account.balance, getattr(_waits, "timeout_s", 0.0))
+                _claim(ledger, size - account.balance)
                 account.balance = size
             account.credit += credit
             yield
             return
         if size:  # nothing to claim is never refused, not even over a lowered limit
-            ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
+            _claim(ledger, size)
         accounts[ledger] = _Account(size, credit)
         try:
             yield
@@ -206,11 +228,11 @@ class BudgetDriver(DriverAdaptor):
         account drawn on."""
         account = self._open_account(ledger)
         if account is None:
-            ledger.claim(size, getattr(_waits, "timeout_s", 0.0))
+            _claim(ledger, size)
             return None
         lacking = size - account.balance
         if lacking > account.credit:
-            ledger.claim(lacking, getattr(_waits, "timeout_s", 0.0))
+            _claim(ledger, lacking)
         elif lacking > 0:
             try:
                 ledger.claim(lacking, want=False)

@@ -10,10 +10,12 @@ import copy
 import dataclasses
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from extensible_kv.devices import without_wants
 from extensible_kv.integrations.vllm_steps import scheduled_block_ids
 from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport
 
@@ -71,7 +73,9 @@ class ElasticSteps:
                 return
             wake()
         if orders is not None:
-            self.report = self._with_ledgers(self._agreed(self.blocks.apply(orders)))
+            with nullcontext() if orders.ask_others else without_wants():
+                granted = self.blocks.apply(orders)
+            self.report = self._with_ledgers(self._agreed(granted))
             # What the scheduler counts once it reads the report: the held
             # units and the wanted ones granted.
             self.holding = dataclasses.replace(orders, held=self.blocks.held_units, wanted=())

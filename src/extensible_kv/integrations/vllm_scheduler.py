@@ -113,13 +113,21 @@ class ElasticPlan:
             self._give(give_blocks)
         # The prefix cache is not spent on new blocks while memory can
         # still be committed: a burst waits a step for its units instead.
+        # Once the budget refuses, the engine lends its own cache before it
+        # asks other engines for theirs (orders' ``ask_others``): asking
+        # costs the idle engine a step (and on vLLM's CPU build, a core for
+        # a second after it: a worker busy-waits on its queue that long),
+        # and its cache is what lets its next request start warm.
         queue.lend_cached = self._refused_recently() or all(self.committed)
         wanted: list[int] = []
-        if queue.num_clean < demand_blocks:
-            if not self._pending and time.monotonic() >= self._retry_at:
-                wanted = self._units_to_commit(demand_blocks - queue.num_clean)
-        else:
-            self._release(queue.num_clean - demand_blocks)
+        ask = False
+        short = demand_blocks - queue.num_clean
+        if short <= 0:
+            self._release(-short)
+        elif not self._pending and time.monotonic() >= self._retry_at:
+            own = queue.num_clean + queue.num_cached
+            ask = self._refused_recently() and own < demand_blocks
+            wanted = self._units_to_commit(short)
         queue.changed = False
         held = self._held_ranges()
         use = (self.held_blocks - queue.num_clean - queue.num_cached, queue.num_cached)
@@ -128,7 +136,7 @@ class ElasticPlan:
         self._seq += 1
         self._pending = wanted
         self._sent_held, self._sent_use = held, use
-        return ElasticOrders(self._seq, self.blocks_per_unit, held, ranges_of(wanted), *use)
+        return ElasticOrders(self._seq, self.blocks_per_unit, held, ranges_of(wanted), *use, ask)
 
     def _give(self, blocks: int) -> None:
         """Drop the prefix cache's units, least recently used first, until

@@ -57,6 +57,10 @@ class ElasticOrders:
         in_use_blocks: blocks running requests hold, as the scheduler
             counted them planning these orders (shown by ``extensible-kv top``).
         cached_blocks: free blocks the prefix cache keeps, counted alike.
+        ask_others: whether a refused commit of ``wanted`` asks the other
+            processes on the device to give memory back (posts a want in
+            its budget); False while the engine's own prefix cache can
+            still lend what the step lacks.
     """
 
     seq: int
@@ -65,6 +69,7 @@ class ElasticOrders:
     wanted: UnitRanges = ()
     in_use_blocks: int = 0
     cached_blocks: int = 0
+    ask_others: bool = True
 
 
 @dataclass(frozen=True)
