@@ -219,3 +219,17 @@ def test_the_several_case_reports_its_goals_table_and_plot(tmp_path: Path) -> No
     assert several_table(results).row_count == len(several.FIGURES) + 4 + 3
     pytest.importorskip("matplotlib")
     assert several.plot(results, tmp_path / "several.png").stat().st_size > 10_000
+
+
+def test_the_vllm_suite_pairs_its_ratios_by_round() -> None:
+    from extensible_kv.bench.engine import decided, paired_ratios
+
+    stock = [{"decode_tok_s": 100.0}, {"decode_tok_s": 50.0}, {"decode_tok_s": 80.0}]
+    # The machine slowed in round 2 for both: the paired ratios stay close.
+    ours = [{"decode_tok_s": 99.0}, {"decode_tok_s": 51.0}, {"decode_tok_s": 80.0}]
+    ratios = paired_ratios(ours, stock, "decode_tok_s")
+    assert ratios == {"min": 0.99, "median": 1.0, "max": 1.02}
+    assert decided(ratios, 0.98) == "met"
+    assert decided(ratios, 1.0) == "undecided"
+    assert decided(ratios, 1.05) == "not met"
+    assert paired_ratios(ours, [{"decode_tok_s": None}] * 3, "decode_tok_s") is None
