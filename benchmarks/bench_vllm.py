@@ -6,13 +6,17 @@
 
 The ``vllm`` suite of ``extensible-kv bench`` (``extensible_kv.bench.engine``),
 on its own: stock vLLM, ours with static growth and ours with memory that
-follows the load, each round in processes of their own; then the ``elastic``
+follows the load, each round in processes of their own; decode with one
+engine of each kind alive at once, 60 short passes per round alternated
+(``extensible_kv.bench.decode``); the goals, each met, not met or
+undecided; then the ``elastic``
 case (a bursty day on stock, static and elastic growth; with ``--out``, its
 plot beside the JSON as ``elastic-memory.png``); then the ``several`` case
 (two OpenAI servers taking turns at bursts under one limit, against a
 static split of it; ``several-memory.png``). ``--only several`` runs that
 case alone. The table gives
-median [min-max] over the rounds and ours over stock as ratios; the JSON
+median [min-max] over the rounds and ours over stock as ratios paired by
+round (decode: by pass), median [interval]; the JSON
 holds every run and each kind's resident-memory timeline, which
 ``extensible-kv bench`` plots. On CPU stock vLLM's sleep does nothing (it
 logs "not supported"), so its memory stays where it was.

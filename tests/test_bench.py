@@ -222,14 +222,42 @@ def test_the_several_case_reports_its_goals_table_and_plot(tmp_path: Path) -> No
 
 
 def test_the_vllm_suite_pairs_its_ratios_by_round() -> None:
-    from extensible_kv.bench.engine import decided, paired_ratios
+    from extensible_kv.bench.ratios import decided, paired_ratios
 
-    stock = [{"decode_tok_s": 100.0}, {"decode_tok_s": 50.0}, {"decode_tok_s": 80.0}]
+    stock = [{"start_s": 10.0}, {"start_s": 20.0}, {"start_s": 12.5}]
     # The machine slowed in round 2 for both: the paired ratios stay close.
-    ours = [{"decode_tok_s": 99.0}, {"decode_tok_s": 51.0}, {"decode_tok_s": 80.0}]
-    ratios = paired_ratios(ours, stock, "decode_tok_s")
-    assert ratios == {"min": 0.99, "median": 1.0, "max": 1.02}
+    ours = [{"start_s": 9.9}, {"start_s": 20.4}, {"start_s": 12.5}]
+    ratios = paired_ratios(ours, stock, "start_s")
+    assert ratios is not None
+    assert ratios == pytest.approx(
+        {"min": 0.99, "median": 1.0, "max": 1.02, "low": 0.99, "high": 1.02}
+    )
     assert decided(ratios, 0.98) == "met"
     assert decided(ratios, 1.0) == "undecided"
     assert decided(ratios, 1.05) == "not met"
-    assert paired_ratios(ours, [{"decode_tok_s": None}] * 3, "decode_tok_s") is None
+    assert decided(ratios, 1.05, at_most=True) == "met"
+    assert decided(ratios, 1.0, at_most=True) == "undecided"
+    assert decided(ratios, 0.98, at_most=True) == "not met"
+    assert paired_ratios(ours, [{"start_s": None}] * 3, "start_s") is None
+    assert paired_ratios([{"copy_s": None}] * 3, [{"copy_s": 1.0}] * 3, "copy_s") is None
+
+
+def test_the_median_interval_narrows_with_more_pairs() -> None:
+    from extensible_kv.bench.ratios import median_interval, ratio_figures
+
+    # Eleven values: order statistics 2 and 10 hold the median with 98.8%,
+    # 3 and 9 with only 93.5%.
+    assert median_interval([float(v) for v in range(1, 12)]) == (2.0, 10.0)
+    # Five: no pair of order statistics reaches 95%, so min and max.
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
+    # A thousand ratios spread 0.5-1.5 around 1: the interval is narrow.
+    ratios = [0.5 + i / 999 for i in range(1000)]
+    low, high = median_interval(ratios)
+    assert 0.96 < low < 1.0 < high < 1.04
+    figures = ratio_figures(ratios, [1.0] * 1000)
+    assert figures is not None
+    assert (figures["low"], figures["high"]) == (low, high)
+    assert figures["min"] == 0.5
+    assert figures["max"] == 1.5
+    with pytest.raises(ValueError, match="at least one value"):
+        median_interval([])

@@ -1,6 +1,7 @@
 """The vLLM benchmark (``benchmarks/bench_vllm.py``) end to end, one round:
-stock, static and on-demand engines, then the elastic case, each in
-processes of their own; its JSON, table and plot. Not part of ``nox -s
+stock, static and on-demand engines, decode with the three alive at once,
+then the elastic case, each in processes of their own; its JSON, tables,
+goals and plot. Not part of ``nox -s
 vllm`` (it takes about five minutes of the engine users' command): CI runs
 it beside it, ``nox -s vllm -- tests/test_vllm_bench.py``. The ``several``
 case is left out here (``--skip several``: three more minutes); its servers,
@@ -44,23 +45,42 @@ def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     timeline = saved["timelines"]["ours"]
     assert [label for _, label in timeline["marks"]] == [
         "started",
-        "decoded",
+        "generated",
         "asleep",
         "awake",
         "restarted",
-        "kept",
-        "rewoken",
+        *("kept", "rewoken") * 3,
     ]
     assert len(timeline["points"]) > 10
     assert saved["stats"]["ours"]["start_s"]["min"] <= saved["stats"]["ours"]["start_s"]["max"]
     assert "| engine start (s) |" in result.stdout
     # What extensible-kv bench shows of the same results: its table and plot.
-    from extensible_kv.bench.report import plot_vllm, vllm_table
+    from extensible_kv.bench.report import plot_vllm, vllm_goals_table, vllm_table
 
     table = vllm_table(saved)
     assert table is not None
-    assert table.row_count == 11
+    assert table.row_count == 12
     assert saved["stats"]["stock"]["keep_sleep_s"] is None  # stock has no such call
     assert saved["stats"]["ours"]["keep_sleep_s"]["median"] > 0
+    # The baseline copies exactly the cache's bytes, and only with static growth.
+    assert ours["copy_bytes"] == 64 << 20
+    assert len(ours["copy_s_cycles"]) == len(ours["keep_sleep_s_cycles"]) == 3
+    assert on_demand["copy_s"] is None
+    assert stock["copy_s"] is None
+    # Decode: every kind's passes, alternated, ratios with an interval.
+    decode = saved["decode"]
+    assert {kind: len(passes) for kind, passes in decode["tok_s"].items()} == {
+        "stock": decode["passes"],
+        "ours": decode["passes"],
+        "ours_on_demand": decode["passes"],
+    }
+    ratio = decode["ratios"]["ours"]
+    assert ratio["min"] <= ratio["low"] <= ratio["median"] <= ratio["high"] <= ratio["max"]
+    verdicts = {goal["verdict"] for kind in saved["goals"].values() for goal in kind.values()}
+    assert verdicts <= {"met", "not met", "undecided"}
+    assert len(saved["goals"]["ours"]) == 4
+    assert len(saved["goals"]["ours_on_demand"]) == 2
+    assert "| decode at least 0.98x stock's | ours |" in result.stdout
+    assert vllm_goals_table(saved).row_count == 6
     pytest.importorskip("matplotlib")
     assert plot_vllm(saved, tmp_path / "vllm-memory.png").stat().st_size > 10_000

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.bench.engine import child_figures, markdown_table, quiet_vllm_cpu, spread
+from extensible_kv.bench.engine import child_figures, markdown_table, quiet_vllm_cpu
+from extensible_kv.bench.ratios import spread
 
 MiB = 1 << 20
 KV_BYTES = 128 * MiB

@@ -3,19 +3,22 @@
 Each round starts one engine of each kind, in turn, each in a process of its
 own (so that none inherits another's memory), on one tiny model: stock
 vLLM, ours with static growth, and ours with memory that follows the load
-(``growth: "on_demand"``). Each measures its start (``LLM(...)``), decode
-tokens per second (the median of :data:`DECODE_PASSES` passes of 8
-sequences of :data:`DECODE_TOKENS` new tokens), ``llm.sleep(level=1)``
-and ``llm.wake_up()``, a restart (the engine dropped and a new ``LLM`` made:
+(``growth: "on_demand"``). Each measures its start (``LLM(...)``), ``llm.sleep(level=1)`` and
+``llm.wake_up()``, a restart (the engine dropped and a new ``LLM`` made:
 what vLLM's sleep mode is sold against), for ours the sleep that keeps the
 prefix cache (``sleep(level=0)`` and ``sleep_kv_cache(preserve=True)``,
 then ``wake_kv_cache`` and ``wake_up(tags=["scheduling"])``; stock has no
-such call), and its resident memory sampled every 20 ms over the whole
-run. Figures are min, median and max over the rounds. Ratios are ours over
-stock **paired by round** (the kinds of a round run back to back, so a slow
-spell of the machine weighs on both sides of a ratio): the median of the
-rounds' ratios, with their min and max (:func:`decided` says whether that
-spread decides a goal). Then the ``elastic`` case (:mod:`extensible_kv.bench.elastic`):
+such call) and, with static growth, its baseline: the same KV bytes copied
+out to new host memory and back into new memory (:func:`copy_out_and_back`),
+and its resident
+memory sampled every 20 ms over the whole run. Figures are min, median and
+max over the rounds. Ratios are ours over stock **paired by round** (the
+kinds of a round run back to back, so a slow spell of the machine weighs on
+both sides of a ratio). Decode is measured apart, with an engine of each
+kind alive at once and short passes alternated
+(:mod:`extensible_kv.bench.decode`). :func:`goals` says which of the
+project's goals the figures settle (:mod:`extensible_kv.bench.ratios`).
+Then the ``elastic`` case (:mod:`extensible_kv.bench.elastic`):
 a bursty day on stock, static and elastic growth; and the ``several`` case
 (:mod:`extensible_kv.bench.several`): two servers taking turns at bursts
 under one limit, against a static split of it. Runs only where vLLM is
@@ -38,6 +41,9 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from extensible_kv.bench import decode
+from extensible_kv.bench.ratios import decided, paired_ratios, ratio_figures, spread
+
 MiB = 1 << 20
 OURS = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 #: name -> (worker_cls, additional_config["extensible_kv"] or None)
@@ -56,15 +62,18 @@ FIGURES = (
     ("shutdown_s", "of which dropping the engine", "s"),
     ("keep_sleep_s", "sleep keeping the prefix cache", "s"),
     ("keep_wake_s", "wake with the prefix cache", "s"),
+    ("copy_s", "copying the KV bytes out and back", "s"),
     ("rss_before", "resident before sleep", "MiB"),
     ("rss_asleep", "resident asleep", "MiB"),
     ("rss_awake", "resident after wake", "MiB"),
 )
+#: Prefix-keeping sleeps an engine of ours runs, each paired with its
+#: baseline (:func:`copy_out_and_back`); their figures and the median.
+KEEP_CYCLES = 3
+KEEP_KEYS = ("keep_sleep_s", "keep_wake_s", "copy_s")
+#: The figure the decode case measures, not each kind's run.
+DECODE = "decode_tok_s"
 SAMPLE_S = 0.02
-#: Decode passes an engine runs, and new tokens per sequence in each: a pass
-#: of about a second on a 2-core VM; the median pass is the figure.
-DECODE_PASSES = 3
-DECODE_TOKENS = 256
 
 
 def unavailable() -> str | None:
@@ -112,7 +121,7 @@ class _Sampler:
         return {"points": self.points, "marks": self.marks}
 
 
-def _engine(model: str, worker: str, options: dict[str, str] | None, kv_bytes: int) -> Any:
+def make_engine(model: str, worker: str, options: dict[str, str] | None, kv_bytes: int) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -154,26 +163,14 @@ def child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
 
     worker, options = KINDS[kind]
     sampler = _Sampler()
-    llm, start_s = _timed(lambda: _engine(model, worker, options, kv_bytes))
+    llm, start_s = _timed(lambda: make_engine(model, worker, options, kv_bytes))
     sampler.mark("started")
     prompts = [
         TokensPrompt(prompt_token_ids=[(5 * i + j) % 500 + 1 for j in range(8)]) for i in range(8)
     ]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    params = SamplingParams(
-        temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True, detokenize=False
-    )
-    passes = []
-    for _ in range(DECODE_PASSES):
-        outputs, decode_s = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-        passes.append(sum(len(o.outputs[0].token_ids) for o in outputs) / decode_s)
-    sampler.mark("decoded")
-    figures: dict[str, Any] = {
-        "start_s": start_s,
-        "decode_tok_s": statistics.median(passes),
-        "decode_passes_tok_s": passes,
-        "rss_before": _resident_bytes() / MiB,
-    }
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    sampler.mark("generated")
+    figures: dict[str, Any] = {"start_s": start_s, "rss_before": _resident_bytes() / MiB}
     figures["sleep_s"] = _timed(lambda: llm.sleep(level=1))[1]
     sampler.mark("asleep")
     figures["rss_asleep"] = _resident_bytes() / MiB
@@ -187,23 +184,55 @@ def child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
         gc.collect()
 
     figures["shutdown_s"] = _timed(shut_down)[1]
-    llm, figures["new_engine_s"] = _timed(lambda: _engine(model, worker, options, kv_bytes))
+    llm, figures["new_engine_s"] = _timed(lambda: make_engine(model, worker, options, kv_bytes))
     figures["restart_s"] = figures["shutdown_s"] + figures["new_engine_s"]
     sampler.mark("restarted")
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    figures["keep_sleep_s"] = figures["keep_wake_s"] = None
+    figures.update(dict.fromkeys(KEEP_KEYS))
     if worker == OURS:
-        llm.sleep(level=0)
-        rpc = llm.collective_rpc
-        _, figures["keep_sleep_s"] = _timed(
-            lambda: rpc("sleep_kv_cache", kwargs={"preserve": True})
-        )
-        sampler.mark("kept")
-        _, figures["keep_wake_s"] = _timed(lambda: rpc("wake_kv_cache"))
-        llm.wake_up(tags=["scheduling"])
-        sampler.mark("rewoken")
+        cycles = [_keep_cycle(llm, sampler, with_copy=kind == "ours") for _ in range(KEEP_CYCLES)]
+        for key in KEEP_KEYS:
+            values = figures[f"{key}_cycles"] = [cycle[key] for cycle in cycles]
+            figures[key] = None if None in values else statistics.median(values)
+        figures["copy_bytes"] = cycles[0]["copy_bytes"]
     figures["timeline"] = sampler.stop()
     return figures
+
+
+def _keep_cycle(llm: Any, sampler: _Sampler, *, with_copy: bool) -> dict[str, Any]:
+    """One prefix-keeping sleep and wake of ours (``sleep(level=0)``,
+    ``sleep_kv_cache(preserve=True)``, ``wake_kv_cache``, ``wake_up(tags=
+    ["scheduling"])``), timed, then with ``with_copy`` its baseline
+    (:func:`copy_out_and_back`) right after, so that the two pair up."""
+    llm.sleep(level=0)
+    rpc = llm.collective_rpc
+    _, keep_sleep_s = _timed(lambda: rpc("sleep_kv_cache", kwargs={"preserve": True}))
+    sampler.mark("kept")
+    _, keep_wake_s = _timed(lambda: rpc("wake_kv_cache"))
+    llm.wake_up(tags=["scheduling"])
+    sampler.mark("rewoken")
+    cycle: dict[str, Any] = {"keep_sleep_s": keep_sleep_s, "keep_wake_s": keep_wake_s}
+    (copied,) = rpc(copy_out_and_back) if with_copy else ({"copy_s": None, "copy_bytes": None},)
+    return cycle | copied
+
+
+def copy_out_and_back(worker: Any) -> dict[str, float]:
+    """The prefix-keeping sleep's baseline, run in the worker (through
+    ``collective_rpc``): every KV tensor copied out to new host memory, and
+    back into new memory of its own size, as an engine that frees its cache
+    while asleep, keeping the contents, must do without extensible-kv (new
+    memory, because the old was given back). Seconds (``copy_s``) and bytes
+    (``copy_bytes``). Needs the whole cache committed (static growth):
+    reading uncommitted blocks faults."""
+    import torch
+
+    tensors = list({t.data_ptr(): t for t in worker.model_runner.kv_caches}.values())
+    start = time.perf_counter()
+    saved = [t.to("cpu", copy=True) for t in tensors]
+    back = [torch.empty_like(t).copy_(copy) for t, copy in zip(tensors, saved, strict=True)]
+    elapsed = time.perf_counter() - start
+    del saved, back
+    return {"copy_s": elapsed, "copy_bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
 
 def child_figures(module: str, *args: str) -> dict[str, Any]:
@@ -244,20 +273,8 @@ def suite(
             runs[kind].append(
                 child_figures("extensible_kv.bench.engine", model, kind, str(kv_bytes))
             )
-    stats = {
-        kind: {key: spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
-        for kind, kind_runs in runs.items()
-    }
-    paired = {
-        kind: {key: paired_ratios(kind_runs, runs["stock"], key) for key, _, _ in FIGURES}
-        for kind, kind_runs in runs.items()
-        if kind != "stock"
-    }
-    ratios = {
-        kind: {key: None if s is None else s["median"] for key, s in figures.items()}
-        for kind, figures in paired.items()
-    }
-    stock = stats["stock"]
+    duel = decode.decode_case(model, list(KINDS), kv_bytes, decode.passes_for(rounds), progress)
+    stats, paired = _summaries(runs, duel)
     from extensible_kv.bench import elastic, several
 
     cases = {"elastic": elastic.case, "several": several.case}
@@ -266,9 +283,15 @@ def suite(
         "rounds": rounds,
         **{name: run(rounds, progress) for name, run in cases.items() if name not in skip},
         "stats": stats,
-        "ratios": ratios,
+        "ratios": {
+            kind: {key: None if s is None else s["median"] for key, s in figures.items()}
+            for kind, figures in paired.items()
+        },
         "ratio_spreads": paired,
-        "stock_sleep_frees": _median(stock["rss_asleep"]) < 0.99 * _median(stock["rss_before"]),
+        "decode": duel,
+        "goals": goals(runs, paired),
+        "stock_sleep_frees": _median(stats["stock"]["rss_asleep"])
+        < 0.99 * _median(stats["stock"]["rss_before"]),
         "timelines": {kind: kind_runs[-1].pop("timeline") for kind, kind_runs in runs.items()},
         "runs": {
             kind: [_without_timeline(run) for run in kind_runs] for kind, kind_runs in runs.items()
@@ -276,12 +299,26 @@ def suite(
     }
 
 
-def spread(values: list[float | None]) -> dict[str, float] | None:
-    """min, median and max; None for a figure this kind does not have."""
-    if any(value is None for value in values):
-        return None
-    numbers = [float(value) for value in values if value is not None]
-    return {"min": min(numbers), "median": statistics.median(numbers), "max": max(numbers)}
+def _summaries(
+    runs: dict[str, list[dict[str, Any]]], duel: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Per kind, each figure's :func:`spread`; per kind of ours, each
+    figure's ratio to stock's, paired by round (decode: by pass)."""
+    keys = [key for key, _, _ in FIGURES if key != DECODE]
+    stats: dict[str, dict[str, Any]] = {
+        kind: {key: spread([run[key] for run in kind_runs]) for key in keys}
+        for kind, kind_runs in runs.items()
+    }
+    paired: dict[str, dict[str, Any]] = {
+        kind: {key: paired_ratios(kind_runs, runs["stock"], key) for key in keys}
+        for kind, kind_runs in runs.items()
+        if kind != "stock"
+    }
+    for kind in runs:
+        stats[kind][DECODE] = spread(duel["tok_s"][kind])
+        if kind in paired:
+            paired[kind][DECODE] = duel["ratios"][kind]
+    return stats, paired
 
 
 def _median(spread: dict[str, float] | None) -> float:
@@ -289,26 +326,39 @@ def _median(spread: dict[str, float] | None) -> float:
     return spread["median"]
 
 
-def paired_ratios(
-    ours: list[dict[str, Any]], stock: list[dict[str, Any]], key: str
-) -> dict[str, float] | None:
-    """Figure ``key``'s ratio, ours over stock, round by round: min, median
-    and max; None where a side lacks the figure."""
-    pairs = [(o[key], s[key]) for o, s in zip(ours, stock, strict=True)]
-    if any(o is None or not s for o, s in pairs):
-        return None
-    return spread([o / s for o, s in pairs])
+def goals(
+    runs: dict[str, list[dict[str, Any]]], paired: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Each goal of the suite, per kind of ours, with its ratio
+    (:func:`~extensible_kv.bench.ratios.ratio_figures`) and whether the
+    figures settle it (:func:`~extensible_kv.bench.ratios.decided`)."""
+    out: dict[str, Any] = {}
+    for kind in paired:
+        start, decode_ = paired[kind]["start_s"], paired[kind][DECODE]
+        out[kind] = {
+            "start at most 1.05x stock's": _goal(start, 1.05, at_most=True),
+            "decode at least 0.98x stock's": _goal(decode_, 0.98),
+        }
+    ours = runs["ours"]
+    restart = ratio_figures(
+        [r["restart_s"] for r in ours], [r["sleep_s"] + r["wake_s"] for r in ours]
+    )
+    cycles = [
+        (copy, sleep + wake)
+        for r in ours
+        for copy, sleep, wake in zip(
+            r["copy_s_cycles"], r["keep_sleep_s_cycles"], r["keep_wake_s_cycles"], strict=True
+        )
+    ]
+    copy = ratio_figures([c for c, _ in cycles], [k for _, k in cycles])
+    out["ours"]["sleep and wake at least 50x faster than a restart"] = _goal(restart, 50)
+    out["ours"]["prefix-keeping sleep and wake at least 0.8x copying"] = _goal(copy, 0.8)
+    return out
 
 
-def decided(ratios: dict[str, float], goal: float) -> str:
-    """Whether the rounds' ratios (:func:`paired_ratios`) decide ``ratio >=
-    goal``: ``"met"`` when every round's is at least ``goal``, ``"not met"``
-    when none is, ``"undecided"`` when the spread straddles it."""
-    if ratios["min"] >= goal:
-        return "met"
-    if ratios["max"] < goal:
-        return "not met"
-    return "undecided"
+def _goal(ratio: dict[str, float] | None, goal: float, *, at_most: bool = False) -> dict[str, Any]:
+    assert ratio is not None, "a figure both sides report"
+    return {"ratio": ratio, "goal": goal, "verdict": decided(ratio, goal, at_most=at_most)}
 
 
 def _without_timeline(run: dict[str, Any]) -> dict[str, Any]:
@@ -317,8 +367,8 @@ def _without_timeline(run: dict[str, Any]) -> dict[str, Any]:
 
 def rows(results: dict[str, Any]) -> list[list[str]]:
     """The suite's table, header first: median [min-max] per kind, and
-    ours / stock paired by round, median [min-max] (none for a sleep stock
-    did not do)."""
+    ours / stock paired by round (decode: by pass), median [interval] (none
+    for a sleep stock did not do)."""
     stats, ratios = results["stats"], results["ratio_spreads"]
     ours = [kind for kind in KINDS if kind != "stock"]
     out = [["figure", *KINDS, *(f"{kind} / stock" for kind in ours)]]
@@ -339,13 +389,24 @@ def _cell(spread: dict[str, float]) -> str:
     return f"{spread['median']:.4g} [{spread['min']:.4g}-{spread['max']:.4g}]"
 
 
-def _ratio_cell(spread: dict[str, float]) -> str:
-    return f"{spread['median']:.2f} [{spread['min']:.2f}-{spread['max']:.2f}]"
+def _ratio_cell(ratio: dict[str, float]) -> str:
+    """A ratio's median with the interval for it (min-max for a few rounds)."""
+    return f"{ratio['median']:.3g} [{ratio['low']:.3g}-{ratio['high']:.3g}]"
+
+
+def goal_rows(results: dict[str, Any]) -> list[list[str]]:
+    """The suite's goals, header first: per kind of ours, the ratio, median
+    [interval], and whether it settles the goal."""
+    out = [["goal", "kind", "ratio: median [interval]", "verdict"]]
+    for kind, kind_goals in results["goals"].items():
+        for goal, figures in kind_goals.items():
+            out.append([goal, kind, _ratio_cell(figures["ratio"]), figures["verdict"]])
+    return out
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """:func:`rows` as a Markdown table."""
-    return markdown_table(rows(results))
+    """:func:`rows` and :func:`goal_rows` as Markdown tables."""
+    return markdown_table(rows(results)) + "\n\n" + markdown_table(goal_rows(results))
 
 
 def markdown_table(table: list[list[str]]) -> str:

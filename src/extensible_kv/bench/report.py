@@ -167,6 +167,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
     vllm = vllm_table(results.get("vllm"))
     if vllm is not None:
         out.append(vllm)
+    if "goals" in results.get("vllm", {}):
+        out.append(vllm_goals_table(results["vllm"]))
     if "elastic" in results.get("vllm", {}):
         out.append(elastic_table(results["vllm"]["elastic"]))
     if "several" in results.get("vllm", {}):
@@ -232,6 +234,14 @@ def vllm_table(vllm: dict[str, Any] | None) -> Table | None:
         f"{vllm['rounds']} rounds): median [min-max]",
         rows(vllm),
     )
+
+
+def vllm_goals_table(vllm: dict[str, Any]) -> Table:
+    """The ``vllm`` suite's goals: each ratio, median [interval], and whether
+    it settles the goal."""
+    from extensible_kv.bench.engine import goal_rows
+
+    return _table("10b. vLLM goals, ours against stock", goal_rows(vllm))
 
 
 def elastic_table(elastic: dict[str, Any]) -> Table:
@@ -432,7 +442,7 @@ def plot_vllm(vllm: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("resident memory (MiB)")
     ax.set_ylim(bottom=0)
     ax.set_title(
-        f"vLLM engine process memory: start, decode, sleep(level=1), wake, restart "
+        f"vLLM engine process memory: start, generate, sleep(level=1), wake, restart "
         f"({vllm['kv_bytes'] // MiB} MiB KV)"
     )
     ax.legend()

@@ -61,7 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from extensible_kv.bench.elastic import prompt
-from extensible_kv.bench.engine import child_figures, markdown_table, spread
+from extensible_kv.bench.engine import child_figures, markdown_table
+from extensible_kv.bench.ratios import spread
 from extensible_kv.bench.serving import (
     SAMPLE_S,
     Server,

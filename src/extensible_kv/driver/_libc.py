@@ -19,14 +19,14 @@ MAP_SHARED = mmap.MAP_SHARED
 MAP_ANONYMOUS = mmap.MAP_ANONYMOUS
 MAP_FIXED = 0x10
 MAP_NORESERVE = 0x4000
-MADV_HUGEPAGE = mmap.MADV_HUGEPAGE
 MADV_POPULATE_WRITE = 23
 MREMAP_MAYMOVE = 1
 MREMAP_FIXED = 2
 MREMAP_DONTUNMAP = 4
 
 #: Transparent huge page size on x86-64 and 4 KiB-page arm64: reservations are
-#: aligned to it so that committed memory can be backed by huge pages.
+#: aligned to it so that committed memory can be backed by huge pages where
+#: the system's policy gives them.
 HUGE_PAGE_BYTES = 2 << 20
 PAGE_BYTES = mmap.PAGESIZE
 

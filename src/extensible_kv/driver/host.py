@@ -7,8 +7,9 @@ whole library on machines without a GPU.
 * A reservation is an inaccessible, unaccounted mapping (``PROT_NONE`` +
   ``MAP_NORESERVE``); unmapping puts that mapping back, so the range stays
   reserved and nothing else can be placed there.
-* Private memory is anonymous memory created at an address of its own, with
-  transparent huge pages, populated at once, then *moved* into the
+* Private memory is anonymous memory created at an address of its own,
+  populated at once (huge pages as the system's policy gives them), then
+  *moved* into the
   reservation by ``mremap`` (page tables move, bytes don't). Unmapping moves
   the pages out again, which is how a handle outlives its mapping as on a GPU.
   Such memory has one address at a time.
@@ -289,15 +290,22 @@ class HostDriver(Backend):
         return _Allocation(size, fd=None, parked_at=ptr)
 
     def _populate(self, ptr: int, size: int) -> None:
-        """Make ``[ptr, ptr + size)`` present now, as huge pages where possible.
+        """Make ``[ptr, ptr + size)`` present now.
 
         Present means a commit costs its page faults up front, like
         ``cuMemCreate``, and runs out of memory there rather than at first
         touch. ``MADV_POPULATE_WRITE`` (Linux 5.14) faults the range in
-        without writing it; older kernels get the pages by writing zeros,
-        which also keeps the huge-page advice (``MAP_POPULATE`` would not).
+        without writing it; older kernels get the pages by writing zeros.
+
+        The pages follow the system's transparent-huge-page policy, as
+        torch's own CPU allocations do: no ``MADV_HUGEPAGE``. Forcing huge
+        pages made vLLM's start 1.35x stock's (512 MiB took 0.34-1.35 s to
+        populate as huge pages on a 2-core VM, 0.16 s as 4 KiB pages: a huge
+        page needs a free 2 MiB block, which a VM's host may have taken back)
+        and decode no faster (docs/performance.md, "Page policy"). Under
+        ``enabled=always`` the kernel still gives huge pages here; the
+        reservation's alignment leaves room for them.
         """
-        _libc.madvise(ptr, size, _libc.MADV_HUGEPAGE)
         if self._populate_write:
             try:
                 _libc.madvise(ptr, size, _libc.MADV_POPULATE_WRITE)

@@ -43,10 +43,10 @@ DEFAULT_STAGING_BYTES = 64 * MiB
 class HostBackup:
     """Host copies of device byte regions (uint8, 1-D), in order.
 
-    The copies live in one host-backend buffer: its pages arrive as
-    populated huge pages (several times faster than faulting in ordinary
-    pages on first write), and :meth:`free` hands them straight back to the
-    OS (no allocator holds on to them).
+    The copies live in one host-backend buffer: its pages arrive populated
+    (several times faster than faulting them in on first write), and
+    :meth:`free` hands them straight back to the OS (no allocator holds on
+    to them).
     """
 
     def __init__(self, sizes: Sequence[int]) -> None:
