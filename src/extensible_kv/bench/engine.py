@@ -3,23 +3,28 @@
 Each round starts one engine of each kind, in turn, each in a process of its
 own (so that none inherits another's memory), on one tiny model: stock
 vLLM, ours with static growth, and ours with memory that follows the load
-(``growth: "on_demand"``). Each measures its start (``LLM(...)``), ``llm.sleep(level=1)`` and
-``llm.wake_up()``, a restart (the engine dropped and a new ``LLM`` made:
-what vLLM's sleep mode is sold against), for ours the sleep that keeps the
-prefix cache (``sleep(level=0)`` and ``sleep_kv_cache(preserve=True)``,
-then ``wake_kv_cache`` and ``wake_up(tags=["scheduling"])``; stock has no
-such call) and, with static growth, its baseline: the same KV bytes copied
-out to new host memory and back into new memory (:func:`copy_out_and_back`),
-and its resident
-memory sampled every 20 ms over the whole run. Figures are min, median and
-max over the rounds. Ratios are ours over stock **paired by round** (the
-kinds of a round run back to back, so a slow spell of the machine weighs on
-both sides of a ratio). Decode is measured apart, with an engine of each
-kind alive at once and short passes alternated
+(``growth: "on_demand"``). Each measures:
+
+- its start (``LLM(...)``);
+- ``llm.sleep(level=1)`` and, :data:`ASLEEP_S` later, ``llm.wake_up()``;
+- a restart (the engine dropped and a new ``LLM`` made: what vLLM's sleep
+  mode is sold against);
+- for ours, :data:`KEEP_CYCLES` times, the sleep that keeps the prefix
+  cache (``sleep(level=0)`` and ``sleep_kv_cache(preserve=True)``, then
+  ``wake_kv_cache`` and ``wake_up(tags=["scheduling"])``; stock has no such
+  call) and, with static growth, right after each, its baseline: the same
+  KV bytes copied out to new host memory and back into new memory
+  (:func:`copy_out_and_back`);
+- its resident memory, sampled every 20 ms over the whole run.
+
+Figures are min, median and max over the rounds. Ratios are ours over stock
+**paired by round** (the kinds of a round run back to back, so a slow spell
+of the machine weighs on both sides of a ratio). Decode is measured apart,
+with an engine of each kind alive at once and short passes alternated
 (:mod:`extensible_kv.bench.decode`). :func:`goals` says which of the
 project's goals the figures settle (:mod:`extensible_kv.bench.ratios`).
-Then the ``elastic`` case (:mod:`extensible_kv.bench.elastic`):
-a bursty day on stock, static and elastic growth; and the ``several`` case
+Then the ``elastic`` case (:mod:`extensible_kv.bench.elastic`): a bursty
+day on stock, static and elastic growth; and the ``several`` case
 (:mod:`extensible_kv.bench.several`): two servers taking turns at bursts
 under one limit, against a static split of it. Runs only where vLLM is
 installed.
@@ -67,6 +72,10 @@ FIGURES = (
     ("rss_asleep", "resident asleep", "MiB"),
     ("rss_awake", "resident after wake", "MiB"),
 )
+#: Seconds an engine stays asleep before it wakes (and the baseline's copy
+#: stays out): a sleep is for a while, and on a VM memory freed a second ago
+#: is cheaper to take again than memory the host has since taken back.
+ASLEEP_S = 2.0
 #: Prefix-keeping sleeps an engine of ours runs, each paired with its
 #: baseline (:func:`copy_out_and_back`); their figures and the median.
 KEEP_CYCLES = 3
@@ -174,6 +183,7 @@ def child(model: str, kind: str, kv_bytes: int) -> dict[str, Any]:
     figures["sleep_s"] = _timed(lambda: llm.sleep(level=1))[1]
     sampler.mark("asleep")
     figures["rss_asleep"] = _resident_bytes() / MiB
+    time.sleep(ASLEEP_S)
     figures["wake_s"] = _timed(llm.wake_up)[1]
     sampler.mark("awake")
     figures["rss_awake"] = _resident_bytes() / MiB
@@ -208,6 +218,7 @@ def _keep_cycle(llm: Any, sampler: _Sampler, *, with_copy: bool) -> dict[str, An
     rpc = llm.collective_rpc
     _, keep_sleep_s = _timed(lambda: rpc("sleep_kv_cache", kwargs={"preserve": True}))
     sampler.mark("kept")
+    time.sleep(ASLEEP_S)
     _, keep_wake_s = _timed(lambda: rpc("wake_kv_cache"))
     llm.wake_up(tags=["scheduling"])
     sampler.mark("rewoken")
@@ -229,8 +240,11 @@ def copy_out_and_back(worker: Any) -> dict[str, float]:
     tensors = list({t.data_ptr(): t for t in worker.model_runner.kv_caches}.values())
     start = time.perf_counter()
     saved = [t.to("cpu", copy=True) for t in tensors]
+    out_s = time.perf_counter() - start
+    time.sleep(ASLEEP_S)
+    start = time.perf_counter()
     back = [torch.empty_like(t).copy_(copy) for t, copy in zip(tensors, saved, strict=True)]
-    elapsed = time.perf_counter() - start
+    elapsed = out_s + time.perf_counter() - start
     del saved, back
     return {"copy_s": elapsed, "copy_bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
