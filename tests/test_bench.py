@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +263,22 @@ def test_the_median_interval_narrows_with_more_pairs() -> None:
     assert figures["max"] == 1.5
     with pytest.raises(ValueError, match="at least one value"):
         median_interval([])
+
+
+def test_the_page_policy_benchmark_compares_both_policies() -> None:
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_pages.py"
+    result = subprocess.run(
+        [sys.executable, str(bench), "--mib", "8", "--repeats", "1", "--asleep", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    head, _, *rows = result.stdout.splitlines()
+    assert head == "| 8 MiB, populated (s) | system policy | forced huge pages |"
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| first commit",
+        "| again at once",
+        "| again after the sleep (0 s)",
+    ]
+    assert all(float(row.split(" | ")[1].split()[0]) > 0 for row in rows)
