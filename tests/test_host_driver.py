@@ -7,14 +7,14 @@ import errno
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from child import run_python
-from extensible_kv.driver import DriverError, HostDriver, OutOfMemoryError
+from extensible_kv.driver import DriverError, HostDriver, OutOfMemoryError, _libc, _populate
 
 MiB = 1 << 20
 G = 2 * MiB
@@ -175,14 +175,78 @@ def test_private_memory_follows_the_system_huge_page_policy(
     assert "hg" not in flags
 
 
-def test_populate_fallback_writes_pages_present(driver: HostDriver, reservation: int) -> None:
-    driver._populate_write = False
+def _failing_populate(monkeypatch: pytest.MonkeyPatch, fail: Callable[[int], int | None]) -> None:
+    """Labelled mock at the kernel boundary: ``MADV_POPULATE_WRITE`` fails
+    with ``fail(start)``'s errno (None: it runs), as a kernel before 5.14
+    (EINVAL) or one out of memory midway (ENOMEM) would; this machine's does
+    neither."""
+    real = _libc.madvise
+
+    def madvise(start: int, size: int, advice: int) -> None:
+        code = fail(start) if advice == _libc.MADV_POPULATE_WRITE else None
+        if code is not None:
+            raise OSError(code, os.strerror(code))
+        real(start, size, advice)
+
+    monkeypatch.setattr(_libc, "madvise", madvise)
+
+
+def test_create_populates_every_piece_on_several_threads(
+    driver: HostDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = 2 * _populate.PIECE_BYTES + G
+    wanted = min(3, len(os.sched_getaffinity(0)))
+    threads: set[str] = set()
+    all_working = threading.Event()
+
+    def working(start: int) -> None:
+        threads.add(threading.current_thread().name)
+        if len(threads) == wanted:
+            all_working.set()
+        all_working.wait(10)  # bounded: each thread waits until all of them work
+
+    _failing_populate(monkeypatch, working)
+    before = rss_bytes()
+    handle = driver.create(size, 0, False)
+    assert rss_bytes() - before >= size - MiB
+    ptr = driver.reserve(size, G)
+    driver.map(ptr, size, handle)
+    driver.set_access(ptr, size, 0)
+    assert ctypes.string_at(ptr, size) == bytes(size)
+    assert len(threads) == wanted
+    driver.unmap(ptr, size)
+    driver.release(handle)
+    driver.free_reserved(ptr, size)
+
+
+def test_populate_fallback_writes_pages_present(
+    driver: HostDriver, reservation: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _failing_populate(monkeypatch, lambda start: errno.EINVAL)
     before = rss_bytes()
     handle = driver.create(16 * MiB, 0, False)
     assert rss_bytes() - before >= 15 * MiB
     driver.map(reservation, 16 * MiB, handle)
     driver.set_access(reservation, 16 * MiB, 0)
     assert ctypes.string_at(reservation, 16 * MiB) == bytes(16 * MiB)
+
+
+def test_memory_running_out_in_one_piece_leaves_nothing(
+    driver: HostDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first: list[int] = []
+
+    def fail(start: int) -> int | None:
+        first.append(start)
+        return errno.ENOMEM if start != min(first) else None
+
+    _failing_populate(monkeypatch, fail)
+    before = rss_bytes()
+    with pytest.raises(OutOfMemoryError, match="ENOMEM") as info:
+        driver.create(4 * _populate.PIECE_BYTES, 0, False)
+    assert info.value.call == "create"
+    assert driver._handles == {}
+    assert rss_bytes() - before < _populate.PIECE_BYTES
 
 
 @pytest.mark.parametrize(

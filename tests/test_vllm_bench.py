@@ -11,6 +11,7 @@ and its figures' arithmetic in ``tests/test_bench.py``."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +53,16 @@ def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:
         *("kept", "rewoken") * 3,
     ]
     assert len(timeline["points"]) > 10
-    assert saved["stats"]["ours"]["start_s"]["min"] <= saved["stats"]["ours"]["start_s"]["max"]
+    # The start: the round's own and the further sets', every kind, paired by set.
+    from extensible_kv.bench.engine import START_SETS
+
+    assert {kind: len(starts) for kind, starts in saved["starts"].items()} == dict.fromkeys(
+        ("stock", "ours", "ours_on_demand"), 1 + START_SETS
+    )
+    assert saved["starts"]["ours"][0] == ours["start_s"]
+    start = saved["ratio_spreads"]["ours"]["start_s"]
+    assert start["min"] <= start["median"] <= start["max"]
+    assert saved["stats"]["ours"]["start_s"]["median"] == statistics.median(saved["starts"]["ours"])
     assert "| engine start (s) |" in result.stdout
     # What extensible-kv bench shows of the same results: its table and plot.
     from extensible_kv.bench.report import plot_vllm, vllm_goals_table, vllm_table

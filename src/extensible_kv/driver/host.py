@@ -36,7 +36,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extensible_kv.driver import _libc
+from extensible_kv.driver import _libc, _populate
 from extensible_kv.driver.errors import DriverError, OutOfMemoryError
 from extensible_kv.driver.protocol import Backend
 
@@ -130,7 +130,6 @@ class HostDriver(Backend):
         self._zeroed: set[int] = set()
         self._mappings: dict[int, _Mapping] = {}
         self._mapping_starts: list[int] = []
-        self._populate_write = True
 
     def __repr__(self) -> str:
         return f"HostDriver(granularity={self._granularity})"
@@ -281,40 +280,21 @@ class HostDriver(Backend):
             )
         except OSError as exc:
             raise _from_os("create", exc) from None
+        # The pages follow the system's transparent-huge-page policy, as
+        # torch's own CPU allocations do: no MADV_HUGEPAGE. Forcing huge pages
+        # made vLLM's start 1.35x stock's (512 MiB took 0.34-1.35 s to
+        # populate as huge pages on a 2-core VM, 0.16 s as 4 KiB pages: a huge
+        # page needs a free 2 MiB block, which a VM's host may have taken
+        # back) and decode no faster (docs/performance.md, "Page policy").
+        # Under enabled=always the kernel still gives huge pages here; the
+        # alignment leaves room for them.
         try:
-            self._populate(ptr, size)
+            _populate.populate(ptr, size)
             _libc.mprotect(ptr, size, _libc.PROT_NONE)
         except OSError as exc:
             _libc.munmap(ptr, size)
             raise _from_os("create", exc) from None
         return _Allocation(size, fd=None, parked_at=ptr)
-
-    def _populate(self, ptr: int, size: int) -> None:
-        """Make ``[ptr, ptr + size)`` present now.
-
-        Present means a commit costs its page faults up front, like
-        ``cuMemCreate``, and runs out of memory there rather than at first
-        touch. ``MADV_POPULATE_WRITE`` (Linux 5.14) faults the range in
-        without writing it; older kernels get the pages by writing zeros.
-
-        The pages follow the system's transparent-huge-page policy, as
-        torch's own CPU allocations do: no ``MADV_HUGEPAGE``. Forcing huge
-        pages made vLLM's start 1.35x stock's (512 MiB took 0.34-1.35 s to
-        populate as huge pages on a 2-core VM, 0.16 s as 4 KiB pages: a huge
-        page needs a free 2 MiB block, which a VM's host may have taken back)
-        and decode no faster (docs/performance.md, "Page policy"). Under
-        ``enabled=always`` the kernel still gives huge pages here; the
-        reservation's alignment leaves room for them.
-        """
-        if self._populate_write:
-            try:
-                _libc.madvise(ptr, size, _libc.MADV_POPULATE_WRITE)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._populate_write = False
-        _libc.memset_zero(ptr, size)
 
     def _create_shared(self, size: int) -> _Allocation:
         try:
