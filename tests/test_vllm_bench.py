@@ -54,10 +54,10 @@ def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     ]
     assert len(timeline["points"]) > 10
     # The start: the round's own and the further sets', every kind, paired by set.
-    from extensible_kv.bench.engine import START_SETS
+    from extensible_kv.bench.engine import start_sets_for
 
     assert {kind: len(starts) for kind, starts in saved["starts"].items()} == dict.fromkeys(
-        ("stock", "ours", "ours_on_demand"), 1 + START_SETS
+        ("stock", "ours", "ours_on_demand"), 1 + start_sets_for(1)
     )
     assert saved["starts"]["ours"][0] == ours["start_s"]
     start = saved["ratio_spreads"]["ours"]["start_s"]

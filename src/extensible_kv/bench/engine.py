@@ -20,7 +20,7 @@ vLLM, ours with static growth, and ours with memory that follows the load
 Figures are min, median and max over the rounds. Ratios are ours over stock
 **paired by round** (the kinds of a round run back to back, so a slow spell
 of the machine weighs on both sides of a ratio). The start also counts
-:data:`START_SETS` further sets of starts per round, each kind once per set,
+:func:`start_sets_for` further sets of starts per round, each kind once per set,
 and pairs by set. Decode is measured apart,
 with an engine of each kind alive at once and short passes alternated
 (:mod:`extensible_kv.bench.decode`). :func:`goals` says which of the
@@ -82,14 +82,20 @@ ASLEEP_S = 2.0
 #: baseline (:func:`copy_out_and_back`); their figures and the median.
 KEEP_CYCLES = 3
 KEEP_KEYS = ("keep_sleep_s", "keep_wake_s", "copy_s")
-#: Further starts per round, each kind once per set, in a fresh process that
-#: only starts an engine: a start's spread on a noisy machine is wider than
-#: the few percent its goal asks about, so its ratio pairs more starts than
-#: rounds. Sets alternate the kinds' order, so no kind always goes first.
-START_SETS = 3
+
 #: The figure the decode case measures, not each kind's run.
 DECODE = "decode_tok_s"
 SAMPLE_S = 0.02
+
+
+def start_sets_for(rounds: int) -> int:
+    """Further starts per round, each kind once per set, in a fresh process
+    that only starts an engine: a start's spread on a noisy machine is wider
+    than the few percent its goal asks about, so its ratio pairs more starts
+    than rounds (3 rounds: 7 sets each, 24 pairs with the rounds' own; 1
+    round, a smoke run: 3 sets). Sets alternate the kinds' order, so no kind
+    always goes first."""
+    return 2 * max(rounds, 1) + 1
 
 
 def unavailable() -> str | None:
@@ -296,8 +302,9 @@ def suite(
                 child_figures("extensible_kv.bench.engine", model, kind, str(kv_bytes))
             )
             starts[kind].append({"start_s": runs[kind][-1]["start_s"]})
-        for set_ in range(START_SETS):
-            progress(f"round {round_ + 1}/{rounds}: starts, set {set_ + 1}/{START_SETS}")
+        sets = start_sets_for(rounds)
+        for set_ in range(sets):
+            progress(f"round {round_ + 1}/{rounds}: starts, set {set_ + 1}/{sets}")
             for kind in KINDS if set_ % 2 else reversed(KINDS):
                 starts[kind].append(
                     child_figures("extensible_kv.bench.engine", model, kind, str(kv_bytes), "start")
@@ -455,8 +462,13 @@ def markdown_table(table: list[list[str]]) -> str:
 
 
 def start_child(model: str, kind: str, kv_bytes: int) -> dict[str, float]:
-    """Only an engine of ``kind``'s start, in this process (``start_s``)."""
+    """Only an engine of ``kind``'s start, in this process (``start_s``),
+    timed as :func:`child` times it: vLLM imported first."""
     quiet_vllm_cpu(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # What child imports before its timer, so that neither start counts it.
+    from vllm import SamplingParams  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
     worker, options = KINDS[kind]
     return {"start_s": _timed(lambda: make_engine(model, worker, options, kv_bytes))[1]}
 
