@@ -2,7 +2,7 @@
 stock, static and on-demand engines, decode with the three alive at once,
 then the elastic case, each in processes of their own; its JSON, tables,
 goals and plot. Not part of ``nox -s
-vllm`` (it takes about five minutes of the engine users' command): CI runs
+vllm`` (it takes about seven minutes of the engine users' command): CI runs
 it beside it, ``nox -s vllm -- tests/test_vllm_bench.py``. The ``several``
 case is left out here (``--skip several``: three more minutes); its servers,
 streams and plot run in the example's test (``tests/test_vllm_engine.py``)
