@@ -82,7 +82,6 @@ ASLEEP_S = 2.0
 #: baseline (:func:`copy_out_and_back`); their figures and the median.
 KEEP_CYCLES = 3
 KEEP_KEYS = ("keep_sleep_s", "keep_wake_s", "copy_s")
-
 #: The figure the decode case measures, not each kind's run.
 DECODE = "decode_tok_s"
 SAMPLE_S = 0.02
@@ -294,21 +293,22 @@ def suite(
     folder = Path(tempfile.gettempdir()) / "extensible-kv-tiny-llama"
     model = str(save_tiny_model("llama", folder))
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
-    starts: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    starts: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for round_ in range(rounds):
         for kind in KINDS:
             progress(f"round {round_ + 1}/{rounds}: {kind}")
             runs[kind].append(
                 child_figures("extensible_kv.bench.engine", model, kind, str(kv_bytes))
             )
-            starts[kind].append({"start_s": runs[kind][-1]["start_s"]})
+            starts[kind].append(runs[kind][-1]["start_s"])
         sets = start_sets_for(rounds)
         for set_ in range(sets):
             progress(f"round {round_ + 1}/{rounds}: starts, set {set_ + 1}/{sets}")
             for kind in KINDS if set_ % 2 else reversed(KINDS):
-                starts[kind].append(
-                    child_figures("extensible_kv.bench.engine", model, kind, str(kv_bytes), "start")
+                start = child_figures(
+                    "extensible_kv.bench.engine", model, kind, str(kv_bytes), "start"
                 )
+                starts[kind].append(start["start_s"])
     duel = decode.decode_case(model, list(KINDS), kv_bytes, decode.passes_for(rounds), progress)
     stats, paired = _summaries(runs, starts, duel)
     from extensible_kv.bench import elastic, several
@@ -325,10 +325,7 @@ def suite(
         },
         "ratio_spreads": paired,
         "decode": duel,
-        "starts": {
-            kind: [start["start_s"] for start in kind_starts]
-            for kind, kind_starts in starts.items()
-        },
+        "starts": starts,
         "goals": goals(runs, paired),
         "stock_sleep_frees": _median(stats["stock"]["rss_asleep"])
         < 0.99 * _median(stats["stock"]["rss_before"]),
@@ -341,7 +338,7 @@ def suite(
 
 def _summaries(
     runs: dict[str, list[dict[str, Any]]],
-    starts: dict[str, list[dict[str, Any]]],
+    starts: dict[str, list[float]],
     duel: dict[str, Any],
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Per kind, each figure's :func:`spread`; per kind of ours, each
@@ -358,10 +355,10 @@ def _summaries(
         if kind != "stock"
     }
     for kind in runs:
-        stats[kind]["start_s"] = spread([start["start_s"] for start in starts[kind]])
+        stats[kind]["start_s"] = spread(starts[kind])
         stats[kind][DECODE] = spread(duel["tok_s"][kind])
         if kind in paired:
-            paired[kind]["start_s"] = paired_ratios(starts[kind], starts["stock"], "start_s")
+            paired[kind]["start_s"] = ratio_figures(starts[kind], starts["stock"])
             paired[kind][DECODE] = duel["ratios"][kind]
     return stats, paired
 
