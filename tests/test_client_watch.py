@@ -75,3 +75,29 @@ def test_a_worker_finds_its_client_above_the_engine_core_and_goes_when_it_goes()
     finally:
         os.killpg(client.pid, signal.SIGKILL)
         client.wait(timeout=30)
+
+
+def test_a_worker_whose_client_is_gone_before_the_watch_starts_goes_at_once() -> None:
+    # The client may die between the worker finding it and the watch starting.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from extensible_kv.integrations.vllm_client import watch_client\n"
+            "watch_client(int(sys.argv[1]))\n"
+            "time.sleep(120)\n",
+            str(gone.pid),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.wait(timeout=30) == -signal.SIGTERM
+        assert worker.stderr is not None
+        assert f"(pid {gone.pid}) is gone" in worker.stderr.read()
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)

@@ -61,9 +61,14 @@ def _parent(pid: int) -> int:
 
 def watch_client(pid: int) -> None:
     """Start a daemon thread that shuts this process down once ``pid`` is
-    gone (nothing where the kernel has no pidfd, or ``pid`` is gone already)."""
+    gone; shut down at once where ``pid`` is gone already (the client may die
+    between :func:`client_pid` and this call). Nothing where the kernel has
+    no pidfd."""
     try:
         pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _shut_down(pid)
+        return
     except (AttributeError, OSError) as exc:
         logger.warning("extensible-kv cannot watch the engine's client (pid %d): %s", pid, exc)
         return
@@ -78,6 +83,12 @@ def _wait_and_shut_down(pid: int, pidfd: int) -> None:
     poll.register(pidfd, select.POLLIN)
     poll.poll()  # readable once the process has exited
     os.close(pidfd)
+    _shut_down(pid)
+
+
+def _shut_down(pid: int) -> None:
+    """Send this process SIGTERM, so vLLM's own shutdown runs, and exit
+    :data:`SHUTDOWN_S` seconds later if that shutdown has not ended it."""
     logger.warning(
         "the process that made this vLLM engine (pid %d) is gone; nothing can reach the "
         "engine any more, so it shuts down and its KV memory goes back",
