@@ -111,11 +111,11 @@ class ElasticScheduling(RuleBasedStateMachine):
             self.pool.touch([block])
             self.requests[next(self.ids)] = [block]
 
-    @rule(demand=st.integers(0, 40))
+    @rule(demand=st.integers(0, 40), ahead=st.integers(0, 16))
     @precondition(lambda self: self.plan is not None)
-    def step(self, demand: int) -> None:
+    def step(self, demand: int, ahead: int) -> None:
         assert self.plan is not None
-        orders = self.plan.plan(demand)
+        orders = self.plan.plan(demand, ahead_blocks=ahead)
         queue = self.plan.queue
         if orders is not None and orders.ask_others:
             # Others are asked only after a refusal, and only for what the
@@ -228,3 +228,48 @@ def test_an_engine_lends_its_own_prefix_cache_before_asking_others() -> None:
     assert orders.wanted
     assert not orders.ask_others
     assert plan.queue.lend_cached
+
+
+def granted_plan(demand: int, ahead: int, budget_units: int = 9) -> tuple[ElasticPlan, Worker]:
+    """A plan that asked once for ``demand`` blocks and ``ahead`` more, and
+    a worker with ``budget_units`` that answered."""
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+    plan = ElasticPlan(pool, PER_UNIT, 4 * PER_UNIT)
+    worker = Worker(budget_units)
+    orders = plan.plan(demand, ahead_blocks=ahead)
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    return plan, worker
+
+
+def test_blocks_ahead_are_committed_beyond_the_demand_and_go_back_with_it() -> None:
+    plan, worker = granted_plan(20, 16)
+    assert plan.queue.num_clean >= 36  # unit 0's 7 free blocks, and 4 units more
+    assert len(worker.held) == 5
+    orders = plan.plan(20, ahead_blocks=16)
+    assert orders is None  # nothing changes while the demand stays
+    orders = plan.plan(0)  # idle: the blocks ahead go back too
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    assert worker.held == {0}
+
+
+def test_no_blocks_ahead_once_a_budget_refused_or_another_process_wants_memory() -> None:
+    plan, worker = granted_plan(20, 0, budget_units=4)
+    held = len(worker.held)
+    time.sleep(REFUSED_RETRY_S)
+    orders = plan.plan(20, ahead_blocks=16)  # refused: only part of these
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    assert len(worker.held) == held + 1
+    time.sleep(REFUSED_RETRY_S)
+    orders = plan.plan(20, ahead_blocks=16)  # refused recently: the demand alone
+    assert orders is not None
+    assert not orders.wanted
+    plan.confirm(orders, worker.apply(orders))
+    assert len(worker.held) == held  # the unit ahead went back
+    plan, worker = granted_plan(20, 16)
+    orders = plan.plan(20, give_blocks=8, ahead_blocks=16)  # others want memory
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    assert plan.queue.num_clean < 20 + 8

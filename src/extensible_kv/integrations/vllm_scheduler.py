@@ -14,8 +14,9 @@ keeps the blocks in use and the cached ones packed in as few **units**
 (about a granule's worth of consecutive block ids) as it can, and sends every
 worker, on the :class:`SchedulerOutput` vLLM already sends each step, the
 :class:`~extensible_kv.kv.elastic.ElasticOrders`: the units the step may use
-and the units to commit ahead. Workers answer on the output they return
-(:class:`~extensible_kv.kv.elastic.ElasticReport`).
+and the units to commit ahead (what the requests need, and one step's
+token budget more while requests run). Workers answer on the output they
+return (:class:`~extensible_kv.kv.elastic.ElasticReport`).
 
 How the blocks are handed out (lowest id first, only blocks of committed
 units, the prefix cache within ``cache_bytes``) is the block pool's free
@@ -102,15 +103,24 @@ class ElasticPlan:
         no request runs, so that memory follows the load down)."""
         return self.queue.changed
 
-    def plan(self, demand_blocks: int, give_blocks: int = 0) -> ElasticOrders | None:
+    def plan(
+        self, demand_blocks: int, give_blocks: int = 0, ahead_blocks: int = 0
+    ) -> ElasticOrders | None:
         """Orders for the next step, if they change anything: trim the cache
         to its bound (and by ``give_blocks`` more that other processes
         want), give back empty units past ``demand_blocks`` free blocks, ask
-        for units up to it."""
+        for units up to it; and ``ahead_blocks`` free blocks more while no
+        budget refuses and no other process wants memory."""
         queue = self.queue
         self._bound_cache()
         if give_blocks:
             self._give(give_blocks)
+        # Requests that arrive while a step runs find, at the next one, only
+        # what this plan committed: without blocks ahead, a burst's first
+        # step grows for the requests it saw, and the rest wait a step more
+        # for their units (a step's time on every first token but the first).
+        if give_blocks or self._refused_recently():
+            ahead_blocks = 0
         # The prefix cache is not spent on new blocks while memory can
         # still be committed: a burst waits a step for its units instead.
         # Once the budget refuses, the engine lends its own cache before it
@@ -121,7 +131,7 @@ class ElasticPlan:
         queue.lend_cached = self._refused_recently() or all(self.committed)
         wanted: list[int] = []
         ask = False
-        short = demand_blocks - queue.num_clean
+        short = demand_blocks + ahead_blocks - queue.num_clean
         if short <= 0:
             self._release(-short)
         elif not self._pending and time.monotonic() >= self._retry_at:
@@ -327,12 +337,21 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
             need += max(0, -(-(request.num_tokens_with_spec + 2) // size) - held)
         return need
 
+    def _ahead(self) -> int:
+        """Free blocks kept ahead of the demand while requests wait or run:
+        what one step's token budget (vLLM's ``max_num_scheduled_tokens``)
+        can fill, the most a step can start on before the next plan; none
+        when the engine is idle, so that its memory follows the load down."""
+        if not (self.waiting or self.running):
+            return 0
+        return -(-int(self.max_num_scheduled_tokens) // int(self.block_size))
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         orders = None
         if self._elastic is not None:
             give = self._pressure.blocks_wanted()
             self._elastic.floor_blocks = self._pressure.floor_blocks
-            orders = self._elastic.plan(self._demand(), give)
+            orders = self._elastic.plan(self._demand(), give, self._ahead())
             if give:
                 self._pressure.spent()
         output = super().schedule(*args, **kwargs)
