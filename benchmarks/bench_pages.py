@@ -50,8 +50,10 @@ def one_call(size: int, huge: bool = False) -> Callable[[], None]:
 
 
 def torch_zeros(size: int) -> Callable[[], None]:
-    tensor = torch.zeros(size, dtype=torch.int8)
-    return lambda: tensor.resize_(0)
+    # The list holds the only reference: clearing it frees the storage
+    # (resize_(0) would keep it).
+    held = [torch.zeros(size, dtype=torch.int8)]
+    return held.clear
 
 
 WAYS: dict[str, Callable[[int], Callable[[], None]]] = {
