@@ -26,6 +26,12 @@ CYCLES = 20
 #: Cycles left out of the growth check: the first ones warm vLLM's and the
 #: allocator's caches up, for stock as for ours.
 WARM = 3
+#: Mappings a worker may gain over the cycles without a leak: a thread's
+#: stack is two mappings (stack and guard), and glibc keeps up to 40 MiB of
+#: freed stacks for reuse, so the threads a commit populates on (one a
+#: core) and vLLM's own can leave a few more stacks cached late in a run.
+#: A leak of one mapping a cycle exceeds it over the 16 cycles checked.
+MAPPINGS_SLACK = 10
 
 
 def run(settings: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +68,10 @@ def test_openrlhfs_and_verls_loops_match_stock_and_hold_steady(model: str) -> No
         grown = {key: growth(ours["figures"], key, cycles) for key in ("fds", "mappings", "rss")}
         stock_grown = {key: growth(stock["figures"], key, cycles) for key in grown}
         assert grown["fds"] <= max(0, stock_grown["fds"]), (grown, stock_grown)
-        assert grown["mappings"] <= max(0, stock_grown["mappings"]) + 4, (grown, stock_grown)
+        assert grown["mappings"] <= max(0, stock_grown["mappings"]) + MAPPINGS_SLACK, (
+            grown,
+            stock_grown,
+        )
         assert grown["rss"] <= max(0, stock_grown["rss"]) + 16 * MiB, (grown, stock_grown)
 
 
