@@ -319,6 +319,9 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         self._elastic = ElasticPlan(
             self.kv_cache_manager.block_pool, per_unit, cache_bytes // bytes_per_block
         )
+        #: What one step's token budget (vLLM's ``max_num_scheduled_tokens``)
+        #: can fill, in blocks: the most a step can start on before the next plan.
+        self._step_blocks = -(-int(self.max_num_scheduled_tokens) // int(self.block_size))
         logger.info(
             "extensible-kv: elastic KV memory, units of %d blocks, the prefix cache "
             "within %d bytes (%d blocks)",
@@ -338,13 +341,10 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         return need
 
     def _ahead(self) -> int:
-        """Free blocks kept ahead of the demand while requests wait or run:
-        what one step's token budget (vLLM's ``max_num_scheduled_tokens``)
-        can fill, the most a step can start on before the next plan; none
-        when the engine is idle, so that its memory follows the load down."""
-        if not (self.waiting or self.running):
-            return 0
-        return -(-int(self.max_num_scheduled_tokens) // int(self.block_size))
+        """Free blocks kept ahead of the demand while requests wait or run
+        (a step's worth); none when the engine is idle, so that its memory
+        follows the load down."""
+        return self._step_blocks if self.waiting or self.running else 0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         orders = None
