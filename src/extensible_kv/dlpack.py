@@ -159,7 +159,11 @@ def _to_torch(
         )
     array, key = _managed_tensor(ptr, nbytes, device, owner)
     try:
-        return from_dlpack(array)
+        # torch.from_dlpack passes its current stream to a GPU array's
+        # __dlpack__, and ctypes-dlpack refuses any stream but None. The bytes
+        # have no work queued on any stream (see ByteView.__dlpack__), so
+        # hand torch the capsule itself: no stream is asked for.
+        return from_dlpack(array.__dlpack__())
     except BaseException:
         _forget(key)
         raise
