@@ -63,6 +63,7 @@ def make_project(root: Path, init: str, dependencies: list[str]) -> Path:
     (package / "cli.py").write_text(CLI)
     (root / "tests").mkdir()
     (root / "tests" / "test_host.py").write_text("def test_host():\n    assert True\n")
+    (root / "tests" / "test_gpu.py").write_text("def test_device():\n    assert True\n")
     (root / "pyproject.toml").write_text(
         f'[project]\nname = "made-up"\ndependencies = {json.dumps(dependencies)}\n'
     )
@@ -124,7 +125,9 @@ def test_dry_run_installs_the_missing_dependency_from_the_wheel_folder(
     steps = summary["steps"]
     assert rc == 0, text
     assert summary["ok"] is True
-    assert list(steps) == ["install", "import", "probe", "machine", "tests", "bench", "memcheck"]
+    names = ["install", "import", "probe", "machine", "gpu-tests", "tests", "bench", "memcheck"]
+    assert list(steps) == names
+    assert steps["gpu-tests"]["details"]["tests"] == 1
     assert (out / "deps" / "gpu_check_demo_dep.py").exists()
     assert steps["install"]["details"]["missing"] == [f"{DEP}>=1"]
     assert steps["probe"]["details"] == {"cuda": "no GPU in this test", "cpu": None}
@@ -133,6 +136,32 @@ def test_dry_run_installs_the_missing_dependency_from_the_wheel_folder(
     assert steps["memcheck"]["ok"] is None
     assert text.startswith("ok: CPU dry run")
     assert capsys.readouterr().out == text
+
+
+def test_failed_tests_are_named_even_from_a_run_cut_short() -> None:
+    log = "\n".join(
+        [
+            "tests/test_a.py::test_one[cuda] PASSED  [ 10%]",
+            "tests/test_a.py::test_two[cuda] FAILED  [ 20%]",
+            "[gw3] [ 30%] ERROR tests/test_b.py::test_three ",
+            "[gw1] [ 40%] FAILED tests/test_a.py::test_two[cuda] ",
+            "[gw2] [ 50%] PASSED tests/test_c.py::test_errors_are_named ",
+        ]
+    )
+    named = ["tests/test_a.py::test_two[cuda]", "tests/test_b.py::test_three"]
+    assert gpu_check.failed_tests(log) == named
+
+
+def test_a_failing_test_fails_the_check_and_is_named_in_the_summary(tmp_path: Path) -> None:
+    project = make_project(tmp_path / "project", WORKING, [f"{DEP}>=1"])
+    failing = "def test_broken():\n    assert False\n"
+    (project / "tests" / "test_broken.py").write_text(failing)
+    wheels = make_wheel(tmp_path / "wheels").parent
+    rc, summary, text = run_check(project, tmp_path / "out", wheels, "--cpu-dry-run")
+    assert rc == 1
+    assert summary["steps"]["gpu-tests"]["ok"] is True
+    assert summary["steps"]["tests"]["details"]["failed"] == ["tests/test_broken.py::test_broken"]
+    assert "tests, failed:\n- `tests/test_broken.py::test_broken`" in text
 
 
 def test_a_missing_wheel_stops_the_check_naming_package_and_folder(tmp_path: Path) -> None:
