@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -242,6 +243,23 @@ def test_the_vllm_suite_pairs_its_ratios_by_round() -> None:
     assert decided(ratios, 0.98, at_most=True) == "not met"
     assert paired_ratios(ours, [{"start_s": None}] * 3, "start_s") is None
     assert paired_ratios([{"copy_s": None}] * 3, [{"copy_s": 1.0}] * 3, "copy_s") is None
+
+
+def test_the_vllm_suites_starts_give_every_kind_every_place_equally() -> None:
+    from collections import Counter
+
+    from extensible_kv.bench.engine import KINDS, order_of
+
+    orders = [order_of(i) for i in range(12)]
+    assert all(sorted(order) == sorted(KINDS) for order in orders)
+    assert len(set(orders[:6])) == 6
+    assert orders[6:] == orders[:6]
+    places = Counter((kind, order.index(kind)) for order in orders[:6] for kind in order)
+    follows = Counter(pair for order in orders[:6] for pair in itertools.pairwise(order))
+    assert set(places.values()) == {2}
+    assert len(places) == len(KINDS) ** 2
+    assert set(follows.values()) == {2}
+    assert len(follows) == len(KINDS) * (len(KINDS) - 1)
 
 
 def test_the_median_interval_narrows_with_more_pairs() -> None:

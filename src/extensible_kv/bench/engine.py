@@ -21,7 +21,7 @@ Figures are min, median and max over the rounds. Ratios are ours over stock
 **paired by round** (the kinds of a round run back to back, so a slow spell
 of the machine weighs on both sides of a ratio). The start also counts
 :func:`start_sets_for` further sets of starts per round, each kind once per set,
-and pairs by set. Decode is measured apart,
+every order of the kinds in turn (:func:`order_of`), and pairs by set. Decode is measured apart,
 with an engine of each kind alive at once and short passes alternated
 (:mod:`extensible_kv.bench.decode`). :func:`goals` says which of the
 project's goals the figures settle (:mod:`extensible_kv.bench.ratios`).
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -93,9 +94,20 @@ def start_sets_for(rounds: int) -> int:
     than the few percent its goal asks about, so its ratio pairs more starts
     than rounds (3 rounds: 13 sets each, 42 pairs with the rounds' own,
     which the median's interval needs to decide 1.05 where a start's pairs
-    spread by +-10%; 1 round, a smoke run: 5 sets). Sets alternate the
-    kinds' order, so no kind always goes first."""
+    spread by +-10%; 1 round, a smoke run: 5 sets). Each set takes the
+    next of the kinds' orders (:func:`order_of`)."""
     return 4 * max(rounds, 1) + 1
+
+
+def order_of(index: int) -> tuple[str, ...]:
+    """The kinds' order for the ``index``-th set of starts: every order in
+    turn, so that each kind starts first, between and last, and right after
+    each other kind, equally often. A start on this VM runs faster right
+    after another (an A/B of 14 pairs, alternated: the second of a pair
+    took 4% less, whichever kind it was), so a fixed place would tilt a
+    kind's ratio by that much."""
+    orders = list(itertools.permutations(KINDS))
+    return orders[index % len(orders)]
 
 
 def unavailable() -> str | None:
@@ -295,17 +307,17 @@ def suite(
     model = str(save_tiny_model("llama", folder))
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     starts: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    sets = start_sets_for(rounds)
     for round_ in range(rounds):
-        for kind in KINDS:
+        for kind in order_of(round_ * (sets + 1)):
             progress(f"round {round_ + 1}/{rounds}: {kind}")
             runs[kind].append(
                 child_figures("extensible_kv.bench.engine", model, kind, str(kv_bytes))
             )
             starts[kind].append(runs[kind][-1]["start_s"])
-        sets = start_sets_for(rounds)
         for set_ in range(sets):
             progress(f"round {round_ + 1}/{rounds}: starts, set {set_ + 1}/{sets}")
-            for kind in KINDS if set_ % 2 else reversed(KINDS):
+            for kind in order_of(round_ * (sets + 1) + set_ + 1):
                 start = child_figures(
                     "extensible_kv.bench.engine", model, kind, str(kv_bytes), "start"
                 )

@@ -1,8 +1,11 @@
 """Physical memory that follows the load: commit KV blocks as an engine
 hands their ids out, not all at start.
 
-An engine's scheduler sizes its block pool once and hands out block ids
-lowest first (vLLM's free-block queue does). :class:`OnDemandGrowth` keeps
+An engine's scheduler sizes its block pool once and hands out the block
+ids never used yet first, lowest first (vLLM's free-block queue does; the
+blocks it frees join the queue's far end, so under a steady load the ids
+climb until every block has been used once, and the growth with them).
+:class:`OnDemandGrowth` keeps
 the committed prefix just ahead of the highest id handed out: the engine
 reports the ids a step is about to use, before the step's kernels are
 queued, and the growth commits, in steps of whole granules, the blocks up
