@@ -564,8 +564,8 @@ def summarize(check: Check, dry_run: bool, started: float) -> tuple[dict[str, An
         notes = (step.error or details).replace("|", "\\|")
         lines.append(f"| {step.name} | {result} | {step.seconds} | {notes} |")
     for step in check.steps:
-        named = step.details.get("failed", [])
-        lines += ["", f"{step.name}, failed:", *(f"- `{t}`" for t in named)] if named else []
+        if named := step.details.get("failed"):
+            lines += ["", f"{step.name}, failed:", *(f"- `{t}`" for t in named)]
     lines += ["", f"ok: {str(not failed).lower()}, {seconds} s in all"]
     return summary, "\n".join(lines) + "\n"
 

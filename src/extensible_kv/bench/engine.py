@@ -99,6 +99,9 @@ def start_sets_for(rounds: int) -> int:
     return 4 * max(rounds, 1) + 1
 
 
+_ORDERS = tuple(itertools.permutations(KINDS))
+
+
 def order_of(index: int) -> tuple[str, ...]:
     """The kinds' order for the ``index``-th set of starts: every order in
     turn, so that each kind starts first, between and last, and right after
@@ -106,8 +109,7 @@ def order_of(index: int) -> tuple[str, ...]:
     after another (an A/B of 14 pairs, alternated: the second of a pair
     took 4% less, whichever kind it was), so a fixed place would tilt a
     kind's ratio by that much."""
-    orders = list(itertools.permutations(KINDS))
-    return orders[index % len(orders)]
+    return _ORDERS[index % len(_ORDERS)]
 
 
 def unavailable() -> str | None:
@@ -309,7 +311,8 @@ def suite(
     starts: dict[str, list[float]] = {kind: [] for kind in KINDS}
     sets = start_sets_for(rounds)
     for round_ in range(rounds):
-        for kind in order_of(round_ * (sets + 1)):
+        first = round_ * (sets + 1)  # this round's index into the kinds' orders
+        for kind in order_of(first):
             progress(f"round {round_ + 1}/{rounds}: {kind}")
             runs[kind].append(
                 child_figures("extensible_kv.bench.engine", model, kind, str(kv_bytes))
@@ -317,7 +320,7 @@ def suite(
             starts[kind].append(runs[kind][-1]["start_s"])
         for set_ in range(sets):
             progress(f"round {round_ + 1}/{rounds}: starts, set {set_ + 1}/{sets}")
-            for kind in order_of(round_ * (sets + 1) + set_ + 1):
+            for kind in order_of(first + set_ + 1):
                 start = child_figures(
                     "extensible_kv.bench.engine", model, kind, str(kv_bytes), "start"
                 )
