@@ -5,11 +5,13 @@ test_budget_processes.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,12 +155,78 @@ def test_waiting_for_budget_waits_until_the_timeout(budget: BudgetDriver) -> Non
     ledger = budget.ledger(0)
     ledger.set_limit(2 * MiB)
     tensor = ExtensibleTensor(64 * MiB, "cpu", driver=budget)
+    started = time.monotonic()
     with waiting_for_budget(0.2), pytest.raises(BudgetExceededError):
         tensor.resize_(4 * MiB)
+    # The wait's deadline is on this clock, from after `started`: an earlier
+    # refusal is one that did not wait.
+    assert time.monotonic() >= started + 0.2, "refused before the timeout"
     assert ledger.held == 0
+    tensor.resize_(2 * MiB)  # the refused wait left nothing open: what fits is claimed
+    assert ledger.held == 2 * MiB
     with pytest.raises(ValueError, match="non-negative"):
         waiting_for_budget(-1).__enter__()
     tensor.free()
+
+
+def test_a_nested_block_claims_only_what_the_outer_one_lacks(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    ledger.set_limit(8 * MiB)
+    with budget.reserving(0, 2 * MiB):
+        with budget.reserving(0, 8 * MiB):  # fits only as the 6 MiB the outer lacks
+            assert ledger.held == 8 * MiB
+            budget.release(budget.create(8 * MiB, 0, False))  # drawn on the account
+            assert ledger.held == 8 * MiB
+        with budget.reserving(0, 4 * MiB):  # the outer holds 8 MiB already
+            assert ledger.held == 8 * MiB
+        assert ledger.held == 8 * MiB  # until the outermost block ends
+    assert ledger.held == 0
+
+
+def test_a_nested_blocks_credit_ends_with_the_block(budget: BudgetDriver) -> None:
+    ledger = budget.ledger(0)
+    ledger.set_limit(8 * MiB)
+    full = budget.create(8 * MiB, 0, False)
+    with budget.reserving(0, 0):
+        with budget.reserving(0, 0, credit=2 * MiB):
+            pass
+        with pytest.raises(BudgetExceededError):
+            budget.create(2 * MiB, 0, False)
+    assert ledger.held == 8 * MiB
+    budget.release(full)
+
+
+@pytest.mark.parametrize(
+    ("size", "credit", "error", "message"),
+    [
+        (-2 * MiB, 0, ValueError, r"size must be between 0 and .* got -2097152"),
+        (2.0 * MiB, 0, TypeError, "size must be an int, got float"),
+        (True, 0, TypeError, "size must be an int, got bool"),
+        (0, -1, ValueError, r"credit must be between 0 and .* got -1"),
+        (0, True, TypeError, "credit must be an int, got bool"),
+        (0, float("nan"), TypeError, "credit must be an int, got float"),
+        (0, 2.0 * MiB, TypeError, "credit must be an int, got float"),
+        (0, "2MiB", TypeError, "credit must be an int, got str"),
+    ],
+)
+@pytest.mark.parametrize("limit", [None, 8 * MiB])
+def test_a_hold_must_be_whole_bytes(
+    budget: BudgetDriver,
+    limit: int | None,
+    size: object,
+    credit: object,
+    error: type[Exception],
+    message: str,
+) -> None:
+    ledger = budget.ledger(0)
+    ledger.set_limit(limit)
+    held = budget.create(4 * MiB, 0, False)
+    with pytest.raises(error, match=message), budget.reserving(0, size, credit=credit):  # type: ignore[arg-type]
+        pass
+    assert (ledger.held, ledger.read().claimed_bytes) == (4 * MiB, 4 * MiB)
+    with pytest.raises(BudgetExceededError) if limit else contextlib.nullcontext():
+        budget.release(budget.create(6 * MiB, 0, False))  # no account left open
+    budget.release(held)
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,9 @@ engines on one device"):
 - :meth:`Ledger.pressure` is what other processes want beyond the room;
 - a floor or limit that would not fit is refused and changes nothing.
 
-Example tests pin a version 1 ledger moved up in place, the refusal's
-words, and the wait a met want records.
+Example tests pin a version 1 ledger moved up in place (by processes
+opening it together too), the refusal's words, the wait a met want records,
+and a want's lapse.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from extensible_kv import ExtensibleTensor
-from extensible_kv.budget import Ledger, StaleRevisionError
+from extensible_kv.budget import Holder, Ledger, StaleRevisionError
 from extensible_kv.budget.ledger import WANT_TTL_S
 from extensible_kv.budget.ledger_file import FILE_BYTES, HEADER_BYTES, SLOTS, V1_FILE_BYTES
 from extensible_kv.budget.liveness import this_process
@@ -49,7 +50,7 @@ MiB = 1 << 20
 PATIENCE_S = 60
 CHILD = """
     import sys
-    from extensible_kv.budget import Ledger, state_dir
+    from extensible_kv.budget import Ledger, StateDirError, state_dir
     from extensible_kv.driver import BudgetExceededError
 
     ledger = None
@@ -70,10 +71,15 @@ CHILD = """
                 answer = f"ok {ledger.set_floor_and_cap(int(args[0]), cap).revision}"
             elif verb == "pressure":
                 answer = f"ok {ledger.pressure()}"
+            elif verb == "open-close":
+                Ledger(state_dir(), args[0]).close()
+                answer = "ok"
         except BudgetExceededError as exc:
             answer = "refused " + " ".join(str(exc).split())
         except ValueError as exc:
             answer = "invalid " + " ".join(str(exc).split())
+        except StateDirError as exc:
+            answer = "failed " + " ".join(str(exc).split())
         print(answer, flush=True)
 """
 
@@ -103,9 +109,15 @@ class Child:
         return self.process.pid
 
     def ask(self, line: str) -> str:
+        self.tell(line)
+        return self.answer()
+
+    def tell(self, line: str) -> None:
         assert self.process.stdin is not None
         self.process.stdin.write(line + "\n")
         self.process.stdin.flush()
+
+    def answer(self) -> str:
         try:
             return self.lines.get(timeout=PATIENCE_S)
         except queue.Empty:
@@ -268,19 +280,25 @@ def test_claims_floors_caps_and_wants_follow_the_rules(state: Path, children: li
     )
 
 
-def test_a_version_1_ledger_is_moved_up_in_place_keeping_its_claims(state: Path) -> None:
+def _write_version_1(state: Path, device: str, length: int = V1_FILE_BYTES) -> None:
+    """A version 1 ledger of ``device``, ``length`` bytes long (zeros past
+    its arrays): a limit of 64 MiB at revision 3, and this process claiming
+    5 MiB in its first slot."""
     prepare(state)
     me = this_process(state)
-    v1 = bytearray(V1_FILE_BYTES)
+    v1 = bytearray(length)
     struct.pack_into("<8sIIqqq", v1, 0, b"EKVBUDG1", 1, SLOTS, 64 * MiB, 3, 1)
     struct.pack_into("<q", v1, HEADER_BYTES, me.pid)
     struct.pack_into("<q", v1, HEADER_BYTES + 8 * SLOTS, me.token)
     struct.pack_into("<q", v1, HEADER_BYTES + 16 * SLOTS, 5 * MiB)
-    path = state / "devices" / "host-old.ledger"
-    path.write_bytes(bytes(v1))
-    ledger = Ledger(state, "host-old")
+    (state / "devices" / f"{device}.ledger").write_bytes(bytes(v1))
+
+
+def _assert_moved_up(state: Path, device: str) -> None:
+    """The ledger of ``device`` is version 2, holding what _write_version_1 wrote."""
+    ledger = Ledger(state, device)
     try:
-        assert path.stat().st_size == FILE_BYTES
+        assert ledger.path.stat().st_size == FILE_BYTES
         view = ledger.read()
         assert (view.limit.bytes, view.limit.revision) == (64 * MiB, 3)
         (held,) = view.holders.values()
@@ -288,6 +306,36 @@ def test_a_version_1_ledger_is_moved_up_in_place_keeping_its_claims(state: Path)
         assert held.cap_bytes is None
     finally:
         ledger.close()
+
+
+@pytest.mark.parametrize(
+    "length",
+    [V1_FILE_BYTES, FILE_BYTES],
+    ids=["version-1", "a-move-its-process-died-in"],
+)
+def test_a_version_1_ledger_is_moved_up_in_place_keeping_its_claims(
+    state: Path, length: int
+) -> None:
+    _write_version_1(state, "host-old", length)
+    _assert_moved_up(state, "host-old")
+
+
+#: Rounds of concurrent first opens: before the move was locked, one of
+#: three processes read it half done first after 2 to 2,013 rounds (12 runs).
+OPEN_ROUNDS = 4000
+
+
+def test_processes_opening_a_version_1_ledger_together_all_see_it_moved_up(
+    state: Path, children: list[Child]
+) -> None:
+    for round_ in range(OPEN_ROUNDS):
+        device = f"host-old-{round_}"
+        _write_version_1(state, device)
+        for child in children:
+            child.tell(f"open-close {device}")
+        answers = [child.answer() for child in children]
+        assert answers == ["ok"] * len(children), f"round {round_}: {answers}"
+        _assert_moved_up(state, device)
 
 
 def test_a_cap_refuses_with_its_own_words_and_a_met_want_records_its_wait(
@@ -339,6 +387,36 @@ def test_floors_and_caps_are_revisioned_with_the_limit(state: Path) -> None:
         assert (held.floor_bytes, held.cap_bytes) == (4 * MiB, None)
         with pytest.raises(BudgetExceededError):
             ledger.claim(40 * MiB)
+    finally:
+        ledger.close()
+
+
+def _refused_and_read(ledger: Ledger, size: int) -> tuple[Holder, int]:
+    """Refuse a claim of ``size`` bytes, then read this process's entry and
+    the pressure, trying again until the reads end within the want's
+    lifetime (a busy machine can stall the test past it)."""
+    for _ in range(20):
+        asked = time.monotonic()  # before the claim posts its want
+        with pytest.raises(BudgetExceededError):
+            ledger.claim(size)
+        (held,) = ledger.read().holders.values()
+        pressure = ledger.pressure(mine=())
+        if time.monotonic() < asked + WANT_TTL_S:
+            return held, pressure
+    raise AssertionError(f"no read came within {WANT_TTL_S} s of the refusal in 20 tries")
+
+
+def test_a_refused_claims_want_lapses_after_its_lifetime(state: Path) -> None:
+    ledger = Ledger(state, "host-lapse")
+    try:
+        ledger.set_limit(8 * MiB)
+        held, pressure = _refused_and_read(ledger, 12 * MiB)
+        assert (held.wanted_bytes, pressure) == (12 * MiB, 4 * MiB)
+        lapsed = time.monotonic() + WANT_TTL_S  # after the last ask posted it
+        while time.monotonic() < lapsed:
+            time.sleep(WANT_TTL_S / 10)
+        (held,) = ledger.read().holders.values()
+        assert (held.wanted_bytes, ledger.pressure(mine=())) == (0, 0)
     finally:
         ledger.close()
 

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from extensible_kv._checks import check_seconds
+from extensible_kv._checks import check_bytes, check_seconds
 from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.publish import Publisher, publisher
 from extensible_kv.budget.state_dir import state_dir
@@ -82,6 +82,13 @@ def _claim(ledger: Ledger, size: int) -> None:
     how long to wait (:func:`waiting_for_budget`), whether a refusal posts
     a want (:func:`without_wants`)."""
     ledger.claim(size, getattr(_waits, "timeout_s", 0.0), want=getattr(_waits, "want", True))
+
+
+def _check_hold(size: object, credit: object) -> None:
+    """Refuse a hold of ``size`` and ``credit`` bytes that are not ints of 0
+    to 2**48: a TypeError or ValueError naming the argument."""
+    check_bytes("size", size)
+    check_bytes("credit", credit)
 
 
 @dataclass
@@ -148,7 +155,10 @@ class BudgetDriver(DriverAdaptor):
     ) -> AbstractContextManager[object]:
         """The protocol's hold for a piece of work: under a limit, an
         account (:meth:`prepaid`); without one a claim can neither fail nor
-        wait, so the creates claim one by one and the work costs no more."""
+        wait, so the creates claim one by one and the work costs no more.
+        ``size`` and ``credit`` are bytes (ints, 0 to 2**48): anything else
+        is refused before anything is held."""
+        _check_hold(size, credit)
         below = self.inner.reserving(device, size, credit=credit)
         if not self.ledger(device).limited:
             return below
@@ -185,18 +195,24 @@ class BudgetDriver(DriverAdaptor):
         * what is left is given back at the end.
 
         A block nested in one open on the same device tops the account up
-        to ``size`` (claiming only what it lacks) and adds its ``credit``;
-        the outermost block gives back.
+        to ``size`` (claiming only what it lacks) and adds its ``credit``
+        until it ends (what it did not draw goes with it); the outermost
+        block gives back.
         """
+        _check_hold(size, credit)
         ledger = self.ledger(device)
         accounts = self._accounts()
         account = accounts.get(ledger)
         if account is not None:
+            credit_before = account.credit
             if size > account.balance:
                 _claim(ledger, size - account.balance)
                 account.balance = size
             account.credit += credit
-            yield
+            try:
+                yield
+            finally:
+                account.credit = min(account.credit, credit_before)
             return
         if size:  # nothing to claim is never refused, not even over a lowered limit
             _claim(ledger, size)

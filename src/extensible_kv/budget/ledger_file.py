@@ -6,8 +6,10 @@ A ledger is ``devices/<uuid>.ledger`` in the state directory, mapped
 (magic, version, slots, the limit and its revision, slots ever taken), then
 one array of int64s per field below, one entry per slot (process). Version 1
 had the first three arrays; version 2 appends the rest, so a version 1 file
-is moved up in place (made longer, the version rewritten) under the file's
-lock, and processes that mapped it before go on reading what they read.
+is moved up in place (made longer, the version rewritten), and processes
+that mapped it before go on reading what they read. Every open checks the
+file, and moves it up, under the file's lock: no process reads a move half
+done.
 """
 
 from __future__ import annotations
@@ -96,8 +98,13 @@ def _open(path: Path) -> int:
         _create(path)
         fd = _open_file(path)
     try:
-        _move_up(path, fd)
-        _validate(path, fd)
+        # Under the lock, so that no opener reads another's move half done.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            _move_up(fd)
+            _validate(path, fd)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
     except BaseException:
         os.close(fd)
         raise
@@ -133,20 +140,18 @@ def _create(path: Path) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def _move_up(path: Path, fd: int) -> None:
+def _move_up(fd: int) -> None:
     """Make a version 1 ledger a version 2 one, in place: its arrays stay
-    where they are and the new ones, zero (no want, no floor, no cap), follow."""
-    if os.fstat(fd).st_size != V1_FILE_BYTES:
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        magic, version, slots, *_ = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
-        if os.fstat(fd).st_size != V1_FILE_BYTES or (magic, version, slots) != (MAGIC, 1, SLOTS):
-            return  # moved up meanwhile, or not a version 1 ledger: _validate says
-        os.ftruncate(fd, FILE_BYTES)
-        os.pwrite(fd, struct.pack("<I", VERSION), 8)
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+    where they are and the new ones, zero (no want, no floor, no cap), follow.
+    A move its process died in (the file made longer, the version not yet
+    rewritten) is finished. The caller holds the file's lock."""
+    if os.fstat(fd).st_size not in (V1_FILE_BYTES, FILE_BYTES):
+        return  # _validate says
+    magic, version, slots, *_ = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+    if (magic, version, slots) != (MAGIC, 1, SLOTS):
+        return  # moved up already, or not a version 1 ledger: _validate says
+    os.ftruncate(fd, FILE_BYTES)
+    os.pwrite(fd, struct.pack("<I", VERSION), 8)
 
 
 def _validate(path: Path, fd: int) -> None:
