@@ -4,16 +4,20 @@ touches, holes included."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extensible_kv import FaultInjectingDriver, StatisticsDriver
+from extensible_kv import DriverError, FaultInjectingDriver, StatisticsDriver, get_driver
 from extensible_kv.driver import Driver
-from extensible_kv.kv import KVCacheBuffers
+from extensible_kv.integrations.vllm_state import kv_state
+from extensible_kv.kv import KVCacheBuffers, SleepState
 from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ranges_of, units_of
+from extensible_kv.kv.published import published
+from faults import Fault, attempt
 from test_growth import fill, reads
 from test_kv_buffers import CAPACITY, make_cache
 
@@ -67,7 +71,8 @@ def test_holds_exactly_the_units_ordered_holes_included(
     assert reads(cache, 13) == {0}  # newly held blocks read zero
     assert elastic.holds([0, 13, 60])
     assert not elastic.holds([20])
-    assert cache.num_blocks_committed == 0  # not a prefix
+    assert cache.num_blocks_committed == len(held)
+    assert all(tensor.num_bytes == 0 for tensor, _ in cache.buffers)  # not a prefix
 
 
 def test_a_refused_wanted_run_stops_the_grant_and_held_units_stay(
@@ -200,3 +205,157 @@ def test_memory_follows_any_sequence_of_orders(
                 fill(cache, b, last[b])
     finally:
         cache.free()
+
+
+def unmapped_held_blocks(elastic: ElasticBlocks) -> list[int]:
+    """Blocks the books say are held that have a byte with no memory behind it."""
+    cache, out = elastic.buffers, []
+    for b in sorted(blocks_of(set(units_of(elastic.held_units)), elastic.blocks_per_unit)):
+        for tensor, per_block in cache.buffers:
+            for segment in range(tensor.num_segments):
+                start = segment * tensor.segment_capacity_bytes + b * per_block
+                if sum(size for _, size in tensor.buffer.mapped_in(start, per_block)) < per_block:
+                    out.append(b)
+    return sorted(set(out))
+
+
+def test_a_failed_release_past_the_unmap_leaves_the_units_given_back_in_the_books(
+    device: str, driver: Driver
+) -> None:
+    """Issue 47, bug 1: the units were unmapped but still counted as held."""
+    faulty = FaultInjectingDriver(driver)
+    cache = elastic_cache(device, faulty)
+    try:
+        elastic = ElasticBlocks(cache, CAPACITY)
+        elastic.start()
+        elastic.apply(ElasticOrders(1, 8, held=((0, 1), (5, 6))))
+        faulty.fail_at("release", 1)
+        with pytest.raises(DriverError, match="injected"):
+            elastic.apply(ElasticOrders(2, 8, held=((0, 1),)))
+        faulty.clear()
+        assert elastic.held_units == ((0, 1),)
+        elastic.apply(ElasticOrders(3, 8, held=((0, 1), (5, 6))))
+        assert elastic.holds([40])
+        assert unmapped_held_blocks(elastic) == []
+        assert reads(cache, 40) == {0}
+    finally:
+        cache.free()
+
+
+ELASTIC_CALLS = ("create", "map", "set_access", "unmap", "release")
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sets(st.integers(0, 15), max_size=4),
+            st.sampled_from([4, 8]),
+            st.none() | st.tuples(st.sampled_from(ELASTIC_CALLS), st.integers(1, 3)),
+        ),
+        max_size=6,
+    )
+)
+def test_books_and_memory_agree_after_a_failure_at_any_driver_call(
+    device: str, driver: Driver, steps: list[tuple[set[int], int, Fault]]
+) -> None:
+    """Each order runs with one driver call failing: whatever it leaves, every
+    unit the books hold is mapped and nothing else is, and the same orders
+    sent again end where a clean run ends."""
+    granule = driver.granularity(0, False)
+    faulty = FaultInjectingDriver(driver)
+    cache = elastic_cache(device, faulty)
+    try:
+        elastic = ElasticBlocks(cache, CAPACITY)
+        elastic.start()
+        for seq, (held, per_unit, fault) in enumerate(steps, 1):
+            held = {u % -(-CAPACITY // per_unit) for u in held}
+            orders = ElasticOrders(seq, per_unit, ranges_of(held))
+            attempt(faulty, fault, lambda orders=orders: elastic.apply(orders))
+            books = blocks_of(set(units_of(elastic.held_units)), elastic.blocks_per_unit)
+            assert unmapped_held_blocks(elastic) == []
+            assert cache.physical_bytes == expected_physical(cache, books, granule)
+            elastic.apply(orders)
+            assert elastic.held_units == ranges_of(held | {0})
+            now = blocks_of(held | {0}, per_unit)
+            assert cache.physical_bytes == expected_physical(cache, now, granule)
+    finally:
+        cache.free()
+
+
+def test_clear_forgets_the_units_and_the_same_orders_map_them_again(
+    cache: KVCacheBuffers,
+) -> None:
+    """``clear()`` leaves no block and no memory: the units go from the books
+    with their memory, and the orders that held them map them again."""
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    orders = ElasticOrders(1, 4, held=((0, 1), (10, 12)))
+    elastic.apply(orders)
+    fill(cache, 41, 5)
+    cache.clear()
+    assert (cache.physical_bytes, elastic.held_units, elastic.num_blocks_held) == (0, (), 0)
+    assert not elastic.holds([41])
+    elastic.apply(orders)
+    assert elastic.holds([41])
+    assert unmapped_held_blocks(elastic) == []
+    assert reads(cache, 41) == {0}
+
+
+def test_every_report_counts_the_held_blocks_as_committed() -> None:
+    """The cache's own figures, what ``top`` publishes and what the vLLM
+    worker's ``extensible_kv_state`` reports say one thing: the blocks of the
+    units held are the committed ones. (The host backend's budget, which
+    publishes; a simulator publishes nothing.)"""
+    cache = elastic_cache("cpu", get_driver("cpu"))
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    elastic.apply(ElasticOrders(1, 4, held=((0, 1), (10, 12))))
+    held = len(blocks_of({0, 10, 11}, 4))
+    assert elastic.num_blocks_held == held
+    assert cache.num_blocks_committed == held
+    assert cache.committed_bytes == held * cache.bytes_per_block
+    figures = published(cache)
+    assert figures is not None
+    assert (figures["blocks"], figures["committed_bytes"]) == (held, held * cache.bytes_per_block)
+    state = kv_state(cache, elastic, "elastic", None)
+    assert (state["num_blocks_committed"], state["committed_bytes"]) == (
+        held,
+        held * cache.bytes_per_block,
+    )
+    elastic.release()
+    assert (cache.num_blocks_committed, cache.committed_bytes) == (0, 0)
+    cache.free()
+
+
+PREFIX_CALLS: dict[str, Callable[[KVCacheBuffers], None]] = {
+    "a preserving release_physical()": lambda cache: cache.release_physical(preserve=True),
+    "commit()": lambda cache: cache.commit(4),
+    "trim()": lambda cache: cache.trim(0),
+    "defragment()": lambda cache: cache.defragment(preserve=True),
+}
+
+
+@pytest.mark.parametrize("call", sorted(PREFIX_CALLS))
+def test_what_would_lose_held_units_is_refused_and_changes_nothing(
+    cache: KVCacheBuffers, call: str
+) -> None:
+    """A preserving sleep copies the committed prefix, and a commit, trim or
+    defragment remaps it: each would lose units held elsewhere (the sleep
+    while saying it kept them), so each is refused while units are held."""
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    elastic.apply(ElasticOrders(1, 4, held=((0, 1), (10, 12))))
+    fill(cache, 41, 5)
+    before = cache.physical_bytes
+    with pytest.raises(ValueError, match=f"elastic units .* which {re.escape(call)} would lose"):
+        PREFIX_CALLS[call](cache)
+    assert (cache.state, cache.physical_bytes, cache.host_backup_bytes) == (
+        SleepState.AWAKE,
+        before,
+        0,
+    )
+    assert elastic.held_units == ((0, 1), (10, 12))
+    assert reads(cache, 41) == {5}

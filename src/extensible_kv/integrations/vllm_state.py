@@ -65,14 +65,11 @@ def kv_state(
     ``warm_up_blocks``); and ``enabled`` (True here; False in
     :func:`fallback_state`).
     """
-    held = growth.num_blocks_held if isinstance(growth, ElasticBlocks) else None
     return {
         "reserved_bytes": buffers.reserved_bytes,
-        "committed_bytes": (
-            buffers.committed_bytes if held is None else held * buffers.bytes_per_block
-        ),
+        "committed_bytes": buffers.committed_bytes,
         "physical_bytes": buffers.physical_bytes,
-        "num_blocks_committed": buffers.num_blocks_committed if held is None else held,
+        "num_blocks_committed": buffers.num_blocks_committed,
         "num_blocks_capacity": buffers.num_blocks_capacity,
         "base_ptrs": buffers.base_ptrs,
         "asleep": buffers.asleep,

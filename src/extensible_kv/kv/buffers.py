@@ -5,7 +5,9 @@ the work is done by parts it owns, one idea each: its tensors and the blocks
 they hold (``kv/block_tensors.py``; who may join, ``kv/members.py``), growth,
 trim and defragment (``kv/resize.py``), sleep and wake with their host
 copies (``kv/sleep_wake.py``), KV connector registrations
-(``kv/registrations.py``) and background commits (``kv/commit_queue.py``).
+(``kv/registrations.py``), background commits (``kv/commit_queue.py``) and
+the units of blocks an :class:`~extensible_kv.kv.elastic.ElasticBlocks`
+holds outside the prefix (``kv/held_units.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.kv.block_tensors import BlockTensors
 from extensible_kv.kv.commit_queue import CommitQueue, serialized
 from extensible_kv.kv.commit_ticket import CommitTicket
+from extensible_kv.kv.held_units import HeldUnits
 from extensible_kv.kv.published import published
 from extensible_kv.kv.registrations import ConnectorRegistrationWarning, Registrations
 from extensible_kv.kv.resize import Resizer
@@ -69,6 +72,9 @@ class KVCacheBuffers:
         self._commits = CommitQueue(self._lock)
         self._wait_streams: tuple[int, ...] | None = None
         self._freed = False
+        #: The units an ElasticBlocks holds (its books, kept here so that
+        #: the figures, a sleep and clear() see them).
+        self._units = HeldUnits()
         #: ``(in_use, cached)`` blocks, as the engine's scheduler last
         #: counted them (elastic growth), for ``extensible-kv top``.
         self.block_use: tuple[int, int] | None = None
@@ -115,8 +121,10 @@ class KVCacheBuffers:
 
     @property
     def num_blocks_committed(self) -> int:
-        """Blocks backed by physical memory now (0 while asleep)."""
-        return self._blocks.committed
+        """Blocks backed by physical memory now: the committed prefix, or the
+        blocks of the units an :class:`~extensible_kv.kv.elastic.ElasticBlocks`
+        holds anywhere in the cache (0 while asleep)."""
+        return self._blocks.committed + self._units.num_blocks_held
 
     @property
     def asleep(self) -> bool:
@@ -163,9 +171,10 @@ class KVCacheBuffers:
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of the committed blocks, summed over tensors and segments,
-        before rounding to granules (0 while asleep)."""
-        return sum(tensor.num_bytes for tensor, _ in self.tensors)
+        """Bytes of the committed blocks (:attr:`num_blocks_committed`),
+        summed over tensors and segments, before rounding to granules (0
+        while asleep)."""
+        return self.num_blocks_committed * self.bytes_per_block
 
     @property
     def base_ptrs(self) -> list[int]:
@@ -291,6 +300,7 @@ class KVCacheBuffers:
 
     def _commit(self, num_blocks: int, defragment: bool = False) -> None:
         self._check_alive("commit()")
+        self._units.check_none("commit()", "clear() first")
         self._check_count("commit", num_blocks)
         check_bool("defragment", defragment)
         self._resizer.commit(num_blocks, defragment)
@@ -315,6 +325,7 @@ class KVCacheBuffers:
         ends holding less.
         """
         self._check_awake("trim()")
+        self._units.check_none("trim()", "clear() first")
         self._resizer.trim(num_blocks)
 
     @serialized
@@ -324,6 +335,7 @@ class KVCacheBuffers:
         warm-up wrote, to be handed out as zeros). Refused while registered."""
         self._check_alive("clear()")
         self._resizer.clear()
+        self._units.forget()
 
     @serialized
     def defragment(self, preserve: bool = True) -> None:
@@ -334,6 +346,7 @@ class KVCacheBuffers:
         time. Without, contents are discarded, as ``commit(n, defragment=True)``.
         """
         self._check_awake("defragment()")
+        self._units.check_none("defragment()", "clear() first")
         self._resizer.defragment(preserve)
 
     def extend(self, num_blocks: int, defragment: bool = False) -> None:
@@ -409,12 +422,16 @@ class KVCacheBuffers:
         self._check_alive("release_physical()")
         if not preserve:
             self._registrations.check_unregistered("a discarding release_physical()")
+        else:
+            self._units.check_none("a preserving release_physical()", "release without preserve")
         try:
             self._cycle.release(preserve=preserve, staging_bytes=staging_bytes)
         finally:
             if self._sleep.asleep:
-                # Asleep, nothing is mapped that a connector could still use.
+                # Asleep, nothing is mapped that a connector could still use,
+                # and no unit is held.
                 self._registrations.drop_released()
+                self._units.forget()
 
     @serialized
     def recommit(
@@ -467,6 +484,7 @@ class KVCacheBuffers:
         with self._lock:
             self._freed = True
             self._blocks.free()
+            self._units.forget()
             self._registrations.clear()
             self._cycle.drop_copies()
             self._cycle.settle()

@@ -23,9 +23,12 @@ unmaps whole mappings), so the buffers are allocated with ``chunk_bytes``
 equal to their granularity.
 
 The memory held this way is not the buffers' committed prefix, which stays
-0: :class:`KVCacheBuffers` sleeps it (``release_physical``) like any other,
+0, but the cache keeps the books of it (``kv/held_units.py``): it counts
+the held blocks as its committed ones, a sleep (``release_physical``, which
+refuses to preserve them) and ``clear()`` give them back like any other,
 and :meth:`ElasticBlocks.wake` commits unit 0 again; the next orders commit
-what the next step needs.
+what the next step needs. Books and memory agree after any failure: a
+unit is in the books exactly while every byte of it is mapped.
 """
 
 from __future__ import annotations
@@ -34,10 +37,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from extensible_kv._checks import check_int
-from extensible_kv.buffer import commit_together, release_outside_together
+from extensible_kv.buffer import Transaction, commit_together, release_outside_together
 from extensible_kv.driver import OutOfMemoryError
 from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.kv.held_units import ranges_of
 from extensible_kv.tensor import reserving
+
+__all__ = [
+    "ElasticBlocks",
+    "ElasticOrders",
+    "ElasticReport",
+    "UnitRanges",
+    "ranges_of",
+    "units_of",
+]
 
 #: Ranges of units, ``(start, end)``, end exclusive.
 UnitRanges = tuple[tuple[int, int], ...]
@@ -90,24 +103,14 @@ def units_of(ranges: Iterable[tuple[int, int]]) -> list[int]:
     return [unit for start, end in ranges for unit in range(start, end)]
 
 
-def ranges_of(units: Iterable[int]) -> UnitRanges:
-    """Sorted, merged ``(start, end)`` ranges of ``units``."""
-    merged: list[tuple[int, int]] = []
-    for unit in sorted(set(units)):
-        if merged and merged[-1][1] == unit:
-            merged[-1] = (merged[-1][0], unit + 1)
-        else:
-            merged.append((unit, unit + 1))
-    return tuple(merged)
-
-
 class ElasticBlocks:
     """Holds exactly the units an engine's scheduler orders (see the module).
 
     Args:
         buffers: the KV cache, reserved at its capacity with one chunk per
             granule and nothing committed; this object commits and releases
-            its memory, the caller still owns it.
+            its memory, and keeps its books in the cache; the caller still
+            owns it.
         num_blocks: the engine's block count, the highest any id may reach.
     """
 
@@ -129,29 +132,35 @@ class ElasticBlocks:
         if buffers.num_blocks_committed:
             raise ValueError(
                 f"elastic memory starts from an empty cache; {buffers.num_blocks_committed} "
-                f"blocks are committed as a prefix (trim(0) first)"
+                f"blocks are committed (clear() first)"
             )
         self.buffers = buffers
         self.num_blocks = num_blocks
-        #: Blocks per unit of the last orders (1 until the first).
-        self.blocks_per_unit = 1
-        self._held: set[int] = set()
+        self._books = buffers._units
+        self._books.blocks_per_unit, self._books.num_blocks = 1, num_blocks
         #: The most blocks held at once so far.
         self.high_water = 0
+
+    @property
+    def blocks_per_unit(self) -> int:
+        """Blocks per unit of the last orders (1 until the first)."""
+        return self._books.blocks_per_unit
+
+    @property
+    def _held(self) -> set[int]:
+        return self._books.units
 
     # -- what is held ---------------------------------------------------------
 
     @property
     def held_units(self) -> UnitRanges:
         """The units held now, as ranges (empty while the cache sleeps)."""
-        return () if self.buffers.asleep else ranges_of(self._held)
+        return ranges_of(self._held)
 
     @property
     def num_blocks_held(self) -> int:
         """Blocks of the units held (0 while the cache sleeps)."""
-        if self.buffers.asleep:
-            return 0
-        return sum(hi - lo for lo, hi in self._block_ranges(self._held))
+        return self._books.num_blocks_held
 
     def holds(self, block_ids: Iterable[int]) -> bool:
         """Whether every one of ``block_ids`` lies in a held unit."""
@@ -164,18 +173,9 @@ class ElasticBlocks:
         """Whether every unit of ``ranges`` is held."""
         return not self.buffers.asleep and set(units_of(ranges)) <= self._held
 
-    def _block_ranges(self, units: Iterable[int]) -> list[tuple[int, int]]:
-        """The block ranges of ``units``, within the engine's count."""
-        per, out = self.blocks_per_unit, []
-        for start, end in ranges_of(units):
-            lo, hi = start * per, min(end * per, self.num_blocks)
-            if lo < hi:
-                out.append((lo, hi))
-        return out
-
     def _byte_ranges(self, units: Iterable[int]) -> list[list[tuple[int, int]]]:
         """Per buffer, the ``(offset, size)`` bytes of ``units`` in every segment."""
-        blocks = self._block_ranges(units)
+        blocks = self._books.block_ranges(units)
         out = []
         for tensor, per_block in self.buffers.tensors:
             cap = tensor.segment_capacity_bytes
@@ -215,8 +215,15 @@ class ElasticBlocks:
         if orders.blocks_per_unit != self.blocks_per_unit:
             self._rebase(orders.blocks_per_unit)
         held = set(units_of(orders.held)) | {0}
-        self._release_outside(held | (self._held & set(units_of(orders.wanted))))
-        self._commit(held)
+        try:
+            self._release_outside(held | (self._held & set(units_of(orders.wanted))))
+            self._commit(held)
+        except BaseException:
+            # The release kept the granules that units about to be committed
+            # share with units given back; the commit did not happen, so
+            # they go back too, and memory is what the books hold.
+            self._release_outside(self._held, unheld=True)
+            raise
         granted = 0
         for start, end in orders.wanted:
             try:
@@ -256,10 +263,17 @@ class ElasticBlocks:
 
     def _rebase(self, blocks_per_unit: int) -> None:
         """Count what is held in units of ``blocks_per_unit`` blocks: every
-        new unit that overlaps a held block is held, and committed whole."""
-        blocks = [b for lo, hi in self._block_ranges(self._held) for b in range(lo, hi)]
-        self.blocks_per_unit, self._held = blocks_per_unit, set()
-        self._commit({block // blocks_per_unit for block in blocks})
+        new unit that overlaps a held block is held, and committed whole
+        (or, if that fails, the books stay in the old units)."""
+        books = self._books
+        blocks = [b for lo, hi in books.block_ranges(books.units) for b in range(lo, hi)]
+        before = books.blocks_per_unit, books.units
+        books.blocks_per_unit, books.units = blocks_per_unit, set()
+        try:
+            self._commit({block // blocks_per_unit for block in blocks})
+        except BaseException:
+            books.blocks_per_unit, books.units = before
+            raise
 
     def _commit(self, units: set[int]) -> None:
         """Commit ``units`` not held yet, zeroed, all buffers at once."""
@@ -279,18 +293,25 @@ class ElasticBlocks:
                 full = tensor.full_view()
                 for offset, size in runs:
                     full[offset : offset + size].zero_()
-        self._held |= new
+        self._held.update(new)
 
-    def _release_outside(self, keep: set[int]) -> None:
-        """Give back every granule holding no byte of ``keep``'s units."""
-        if not self._held - keep:
+    def _release_outside(self, keep: set[int], *, unheld: bool = False) -> None:
+        """Give back every granule holding no byte of ``keep``'s units, when
+        a held unit lies outside ``keep`` (with ``unheld``, whatever the
+        books say: granules kept for units that were not committed after all).
+
+        Unmapping is all or nothing; past it, a handle whose release fails
+        is kept for the next call, and the units are out of the books before
+        that failure is raised: they have no memory any more.
+        """
+        if not unheld and not self._held - keep:
             return
         ranges = self._byte_ranges(keep)
-        tensors = [tensor for tensor, _ in self.buffers.tensors]
-        release_outside_together(
-            [(tensor.buffer, r) for tensor, r in zip(tensors, ranges, strict=True)]
-        )
-        self._held &= keep
+        buffers = [tensor.buffer for tensor, _ in self.buffers.tensors]
+        with Transaction(buffers) as txn:
+            release_outside_together(list(zip(buffers, ranges, strict=True)))
+            self._books.units = self._held & keep
+            txn.commit()
 
     # -- sleep ----------------------------------------------------------------
 
@@ -306,7 +327,6 @@ class ElasticBlocks:
         if not self.buffers.asleep:
             return
         self.buffers.recommit(num_blocks=0)
-        self._held = set()
         try:
             self._commit({0})
         except BaseException:
