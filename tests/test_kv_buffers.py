@@ -709,3 +709,44 @@ print("woke")
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.splitlines()[-1] == "woke"
+
+
+def test_a_failed_release_in_one_batch_of_a_preserving_defragment_leaves_it_done(
+    device: str, driver: Driver
+) -> None:
+    """Past the point of no return a failure does not stop the work: a
+    handle whose release fails in the first tensor's remap is kept for a
+    retry, and the later tensors are still defragmented."""
+    per_block = 256 << 10
+
+    def three(inner: Driver) -> KVCacheBuffers:
+        tensors = [
+            (
+                ExtensibleTensor(CAPACITY * per_block * 2, device, num_segments=2, driver=inner),
+                per_block,
+            )
+            for _ in range(3)
+        ]
+        cache = KVCacheBuffers(tensors, CAPACITY)
+        cache.commit(8)
+        cache.commit(21)
+        return cache
+
+    def chunks(cache: KVCacheBuffers) -> list[int]:
+        return [len(tensor.buffer.chunks) for tensor, _ in cache.buffers]
+
+    clean = three(driver)
+    clean.defragment(preserve=True)
+    expected = chunks(clean)
+    clean.free()
+    faulty = FaultInjectingDriver(driver)
+    cache = three(faulty)
+    for buffer, per_block_ in cache.buffers:
+        block(buffer, per_block_, 1, 20).fill_(9)
+    faulty.fail_at("release", 1)
+    with pytest.raises(DriverError, match="injected"):
+        cache.defragment(preserve=True)
+    assert chunks(cache) == expected
+    for buffer, per_block_ in cache.buffers:
+        assert block(buffer, per_block_, 1, 20).eq(9).all()
+    cache.free()

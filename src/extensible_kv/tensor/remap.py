@@ -172,9 +172,14 @@ def defragment_all(tensors: Sequence[ExtensibleTensor], *, preserve: bool = Fals
         prefixes = [tensor._segment_ranges(0, tensor.bytes_per_segment) for tensor in tensors]
         buffers = [tensor.buffer for tensor in tensors]
         synchronize_buffers(buffers)
+        # The release and each batch's swap are transactions of their own,
+        # nested in this one: a handle whose release fails past their point
+        # of no return is kept for a retry and its failure raised once every
+        # batch is done, so one tensor's failure does not leave the rest undone.
         # What the release gives back stays this defragment's for its new chunks.
-        with reserving([(buffer, 0, 0) for buffer in buffers]):
+        with Transaction(buffers) as txn, reserving([(buffer, 0, 0) for buffer in buffers]):
             released = release_outside_together(
                 list(zip(buffers, prefixes, strict=True)), synchronized=True
             )
             _remap_all(list(zip(tensors, prefixes, strict=True)), merge=True, headroom=released)
+            txn.commit()
