@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
 import os
 import select
 import sys
@@ -150,28 +152,40 @@ def live(console: Console, names: dict[str, str]) -> None:
 @contextlib.contextmanager
 def _keys() -> Iterator[Callable[[float], str | None]]:
     """A function waiting up to its argument's seconds for a key press: the
-    key, None if none came, or "" at the end of input. The terminal is put in
-    cbreak mode meanwhile, so one key is enough."""
-    stream = sys.stdin
-    if not stream.isatty():
-
-        def sleep_only(seconds: float) -> str | None:
-            time.sleep(seconds)
-            return None
-
-        yield sleep_only
+    key, None if none came, or "" at the end of input (at once with stdin
+    closed). A terminal is put in cbreak mode meanwhile, so one key is
+    enough; any other input (a pipe, a file, /dev/null) is read as it
+    comes, a character at a time."""
+    if sys.stdin is None:
+        yield lambda seconds: ""
         return
-    fd = stream.fileno()
+    try:
+        fd = sys.stdin.fileno()
+    except (io.UnsupportedOperation, ValueError):
+        # A stream with no descriptor to wait on (a notebook's): no key can
+        # come, so the view refreshes until Ctrl-C.
+        yield _no_key
+        return
+    if not os.isatty(fd):
+        yield functools.partial(_key, fd)
+        return
     before = termios.tcgetattr(fd)
     tty.setcbreak(fd)
-
-    def key(seconds: float) -> str | None:
-        ready, _, _ = select.select([fd], [], [], seconds)
-        if not ready:
-            return None
-        return os.read(fd, 1).decode(errors="replace")
-
     try:
-        yield key
+        yield functools.partial(_key, fd)
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, before)
+
+
+def _no_key(seconds: float) -> None:
+    """Wait ``seconds``; no key comes."""
+    time.sleep(seconds)
+
+
+def _key(fd: int, seconds: float) -> str | None:
+    """The next character on ``fd`` within ``seconds``: None if none came,
+    "" at the end of input."""
+    ready, _, _ = select.select([fd], [], [], seconds)
+    if not ready:
+        return None
+    return os.read(fd, 1).decode(errors="replace")
