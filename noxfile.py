@@ -55,6 +55,7 @@ def vllm(session: nox.Session) -> None:
         "tests/test_vllm_elastic.py",
         "tests/test_vllm_scheduler.py",
         "tests/test_vllm_server.py",
+        "tests/test_vllm_metrics.py",
         "tests/test_vllm_rl.py",
         "tests/test_vllm_connectors.py",
         "tests/test_vllm_several.py",

@@ -120,7 +120,8 @@ class _StateCollector:
                 pid = str(process["pid"])
                 _add(processes, process, [*labels, pid])
                 for index, cache in enumerate(process["caches"]):
-                    values = {**cache, "asleep": int(bool(cache.get("asleep")))}
+                    asleep = cache.get("asleep")
+                    values = {**cache, "asleep": None if asleep is None else int(asleep)}
                     _add(caches, values, [*labels, pid, cache["kind"], str(index)])
         yield from (*devices.values(), *processes.values(), *caches.values())
 
