@@ -27,7 +27,10 @@ host tests only, less tests/test_demo.py; a quick host bench; no memcheck.
 
 A step fails on a non-zero exit code or a traceback on its stderr. Each has
 a time limit, and none starts with less than 30 s left of the global
-deadline (8 minutes). Written to ``--out``: summary.json, summary.md (its
+deadline (8 minutes, to fit a GPU lease). The dry run's tests step runs on
+one process (on CI's 2 cores about 190 s when the machine is quiet, 500 s
+when it is busy), so it has 15 minutes instead of 210 s, and the dry run's
+deadline as much more. Written to ``--out``: summary.json, summary.md (its
 first line: the verdict or the first error; it is also what goes to stdout,
 progress goes to stderr), a log per step and the tests' JUnit XML. Exit
 code 0 iff every step that ran passed.
@@ -74,6 +77,9 @@ LIMITS = {
     "bench": 150,
     "memcheck": 45,
 }
+#: The dry run's tests step's limit, and its deadline (the extra time added).
+DRY_RUN_TESTS_S = 900
+DRY_RUN_DEADLINE_S = DEADLINE_S + DRY_RUN_TESTS_S - LIMITS["tests"]
 TRACEBACK = "Traceback (most recent call last):"
 #: The tests that measure the whole device: they run alone, before the rest.
 GPU_TESTS = "tests/test_gpu.py"
@@ -445,11 +451,14 @@ def failed_tests(log: str) -> list[str]:
     return list(failed)
 
 
-def pytest_step(check: Check, name: str, selection: str, paths: list[str], workers: int) -> Step:
-    """pytest as step ``name``, verbose (a line per test, so a killed run still
-    names its failures), on ``workers`` processes where more than one is asked
-    for and pytest-xdist is installed, each test stopped after TEST_LIMIT_S
-    where pytest-timeout is. The JUnit XML goes to <out>/<name>.xml."""
+def pytest_step(
+    check: Check, name: str, selection: str, paths: list[str], workers: int, limit: float
+) -> Step:
+    """pytest as step ``name`` within ``limit`` seconds, verbose (a line per
+    test, so a killed run still names its failures), on ``workers`` processes
+    where more than one is asked for and pytest-xdist is installed, each
+    test stopped after TEST_LIMIT_S where pytest-timeout is. The JUnit XML
+    goes to <out>/<name>.xml."""
     junit = check.out / f"{name}.xml"
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider"]
     cmd += [f"--junitxml={junit}", "-k", selection, *paths]
@@ -457,7 +466,7 @@ def pytest_step(check: Check, name: str, selection: str, paths: list[str], worke
         cmd += ["-n", str(workers)]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd += [f"--timeout={TEST_LIMIT_S}"]
-    step = check.run(name, cmd, LIMITS[name])
+    step = check.run(name, cmd, limit)
     step.details = {"selection": selection, **junit_counts(junit)}
     failed = failed_tests(step.stdout)
     if failed:
@@ -471,11 +480,13 @@ def tests(check: Check, dry_run: bool) -> None:
     memory; then the rest on up to 8 processes. On a GPU the host backend's
     cases of device-parametrized tests are left out (CI runs them; the lent
     minutes go to cuda); the dry run runs them instead, less
-    tests/test_demo.py (minutes on 2 cores), on one process."""
+    tests/test_demo.py (minutes on 2 cores), on one process, within
+    DRY_RUN_TESTS_S."""
     selection = f"{SELECTION} and not demo" if dry_run else f"{SELECTION} and not cpu"
-    pytest_step(check, "gpu-tests", selection, [GPU_TESTS], 1)
+    pytest_step(check, "gpu-tests", selection, [GPU_TESTS], 1, LIMITS["gpu-tests"])
     workers = 1 if dry_run else min(8, os.cpu_count() or 1)
-    pytest_step(check, "tests", selection, ["tests", f"--ignore={GPU_TESTS}"], workers)
+    limit = DRY_RUN_TESTS_S if dry_run else LIMITS["tests"]
+    pytest_step(check, "tests", selection, ["tests", f"--ignore={GPU_TESTS}"], workers, limit)
 
 
 def bench(check: Check, device: str | None) -> Step:
@@ -602,7 +613,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="output folder (default: $OUT, else bench-results/gpu)",
     )
     parser.add_argument(
-        "--cpu-dry-run", action="store_true", help="the same steps on a machine without a GPU"
+        "--cpu-dry-run",
+        action="store_true",
+        help=f"the same steps on a machine without a GPU (its tests step on one process, "
+        f"within {DRY_RUN_TESTS_S} s; deadline {DRY_RUN_DEADLINE_S} s)",
     )
     return parser.parse_args(argv)
 
@@ -614,7 +628,8 @@ def main(argv: Sequence[str] | None = None, root: Path = ROOT) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     wheels = (args.wheels or root / ".whl").resolve()
-    check = Check(root, out, step_env(root, out / "deps", args.cpu_dry_run), started + DEADLINE_S)
+    deadline = started + (DRY_RUN_DEADLINE_S if args.cpu_dry_run else DEADLINE_S)
+    check = Check(root, out, step_env(root, out / "deps", args.cpu_dry_run), deadline)
     run_steps(check, wheels, args.cpu_dry_run)
     summary, text = summarize(check, args.cpu_dry_run, started)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

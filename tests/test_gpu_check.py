@@ -300,3 +300,30 @@ def test_without_pip_the_wheel_is_unpacked(tmp_path: Path, monkeypatch: pytest.M
         check=False,
     )
     assert found.returncode == 0
+
+
+def _tests_step_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> float:
+    """The seconds the check gives its tests step (after the deadline's cut),
+    on a made-up project."""
+    limits = []
+    execute = gpu_check.execute
+
+    def recorded(cmd: list[str], cwd: Path, env: dict[str, str], limit: float) -> Any:
+        if f"--junitxml={tmp_path / 'out' / 'tests.xml'}" in cmd:
+            limits.append(limit)
+        return execute(cmd, cwd, env, limit)
+
+    monkeypatch.setattr(gpu_check, "execute", recorded)
+    project = make_project(tmp_path / "project", WORKING, [f"{DEP}>=1"])
+    run_check(project, tmp_path / "out", make_wheel(tmp_path / "wheels").parent, *extra)
+    (limit,) = limits
+    return limit
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "gpu"])
+def test_the_dry_runs_tests_step_has_its_own_limit_and_a_lease_keeps_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dry_run: bool
+) -> None:
+    extra = ["--cpu-dry-run"] if dry_run else []
+    expected = gpu_check.DRY_RUN_TESTS_S if dry_run else gpu_check.LIMITS["tests"]
+    assert _tests_step_limit(tmp_path, monkeypatch, *extra) == expected
