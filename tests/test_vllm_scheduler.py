@@ -8,9 +8,14 @@ Invariants, after every rule:
 
 - every block a request holds lies in a unit the scheduler counts as
   committed, and after every step the worker holds exactly those units;
+- every block with a prefix hash lies in a committed unit (a unit goes back
+  only once empty: the cache's blocks are never lost under it);
 - vLLM's free count is the free blocks of committed units (the cached
   ones only while the plan lends them: no more units can be committed);
-- units held only for cached blocks stay within the cache's bound;
+- cached blocks are not lent while more units can be committed and no
+  budget refused;
+- units held only for cached blocks stay within the cache's bound, and
+  the bound drops the units used longest ago first;
 - the worker never holds more units than its budget.
 """
 
@@ -72,6 +77,15 @@ def free(pool: Any, blocks: list[Any], hashes: Iterator[int] | None = None) -> N
     pool.free_blocks(reversed(blocks))
 
 
+def only_cached_by_last_use(queue: Any) -> list[int]:
+    """The units but unit 0 that no request holds and that hold cached
+    blocks, the one whose latest use is oldest first (from the free queue's
+    least-recently-used order, not from the plan)."""
+    last_use = {block_id // PER_UNIT: n for n, block_id in enumerate(queue.cached_oldest_first())}
+    units = [unit for unit in last_use if unit and queue.holds_no_request(unit)]
+    return sorted(units, key=last_use.__getitem__)
+
+
 class ElasticScheduling(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -115,8 +129,18 @@ class ElasticScheduling(RuleBasedStateMachine):
     @precondition(lambda self: self.plan is not None)
     def step(self, demand: int, ahead: int) -> None:
         assert self.plan is not None
-        orders = self.plan.plan(demand, ahead_blocks=ahead)
         queue = self.plan.queue
+        could_commit = not all(self.plan.committed)
+        by_last_use = only_cached_by_last_use(queue)
+        orders = self.plan.plan(demand, ahead_blocks=ahead)
+        if could_commit and not self.refused:
+            # The cache is not spent on new blocks while memory can still be
+            # committed: vLLM sees only the clean blocks as free.
+            assert not queue.lend_cached
+            assert self.pool.get_num_free_blocks() == queue.num_clean
+        # The cache's bound drops whole units, those used longest ago first.
+        dropped = [unit for unit in by_last_use if not queue.cached_in[unit]]
+        assert by_last_use[: len(dropped)] == dropped, (by_last_use, dropped)
         if orders is not None and orders.ask_others:
             # Others are asked only after a refusal, and only for what the
             # engine's own free and cached blocks cannot lend.
@@ -144,6 +168,14 @@ class ElasticScheduling(RuleBasedStateMachine):
             return
         for blocks in self.requests.values():
             for block in blocks:
+                assert self.plan.committed[block.block_id // PER_UNIT], block.block_id
+
+    @invariant()
+    def blocks_with_a_hash_lie_in_committed_units(self) -> None:
+        if self.plan is None:
+            return
+        for block in self.pool.blocks:
+            if block.block_hash is not None:
                 assert self.plan.committed[block.block_id // PER_UNIT], block.block_id
 
     @invariant()
@@ -273,3 +305,64 @@ def test_no_blocks_ahead_once_a_budget_refused_or_another_process_wants_memory()
     assert orders is not None
     plan.confirm(orders, worker.apply(orders))
     assert plan.queue.num_clean < 20 + 8
+
+
+def test_a_unit_holding_cached_blocks_stays_committed_when_units_go_back() -> None:
+    plan, worker = granted_plan(24, 0)  # units 0 to 3
+    pool = plan.pool
+    pool.get_new_blocks(7)  # unit 0 (block 0 is vLLM's null block)
+    emptied, cached = pool.get_new_blocks(8), pool.get_new_blocks(8)  # units 1 and 2
+    pool.get_new_blocks(1)  # unit 3, partly used
+    free(pool, emptied)
+    free(pool, cached, itertools.count())
+    orders = plan.plan(0)  # 15 free blocks: one unit goes back
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    # The empty unit went back, not the one below the used unit that only
+    # its cached blocks hold.
+    assert units_of(orders.held) == [0, 2, 3]
+    assert worker.held == {0, 2, 3}
+    hashed = [b.block_id for b in pool.blocks if b.block_hash is not None]
+    assert hashed == [b.block_id for b in cached]
+    assert all(plan.committed[block_id // PER_UNIT] for block_id in hashed)
+
+
+def test_cached_blocks_are_not_lent_while_units_can_be_committed() -> None:
+    plan, worker = granted_plan(16, 0)  # units 0 to 2: 23 free blocks
+    pool = plan.pool
+    cached = pool.get_new_blocks(16)
+    free(pool, cached, itertools.count())  # 16 cached, 7 clean
+    orders = plan.plan(16)  # 9 blocks short: units asked for, none refused yet
+    assert orders is not None
+    assert orders.wanted
+    assert not plan.queue.lend_cached
+    assert pool.get_num_free_blocks() == plan.queue.num_clean == 7
+    plan.confirm(orders, worker.apply(orders))  # granted
+    assert not plan.queue.lend_cached
+    assert pool.get_num_free_blocks() == plan.queue.num_clean == 23
+    pool.get_new_blocks(pool.get_num_free_blocks())  # a burst takes every free block
+    hashed = [b.block_id for b in pool.blocks if b.block_hash is not None]
+    assert hashed == [b.block_id for b in cached]  # and leaves the cache whole
+
+
+def test_the_cache_bound_drops_the_unit_used_longest_ago() -> None:
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+    plan = ElasticPlan(pool, PER_UNIT, PER_UNIT)  # a cache of one unit
+    worker = Worker(budget_units=9)
+    orders = plan.plan(23)  # units 0 to 2
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    pool.get_new_blocks(7)  # unit 0, in use throughout
+    first, second = pool.get_new_blocks(8), pool.get_new_blocks(8)  # units 1 and 2
+    hashes = itertools.count()
+    free(pool, first, hashes)
+    free(pool, second, hashes)
+    pool.touch(first[-1:])  # a hit in unit 1, freed after: unit 2's latest use is older
+    free(pool, first[-1:])
+    orders = plan.plan(0)  # two units of cache, one allowed
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    hashed = [b.block_id for b in pool.blocks if b.block_hash is not None]
+    assert hashed == [b.block_id for b in first]  # unit 2's cached blocks were dropped
+    assert units_of(orders.held) == [0, 1]
+    assert worker.held == {0, 1}
