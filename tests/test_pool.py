@@ -529,6 +529,25 @@ def test_bad_fills_are_refused_and_fill_nothing(args: tuple[Any, ...], message: 
     assert pool.idle_handles == 0
 
 
+@pytest.mark.parametrize(
+    ("size", "credit", "message"),
+    [
+        (-(2 << 20), 0, "size must be between 0"),
+        (True, 0, "size must be an int"),
+        (0, float("nan"), "credit must be an int"),
+        (0, -1, "credit must be between 0"),
+    ],
+)
+def test_a_bad_hold_is_refused_before_the_pool_counts_it(
+    size: Any, credit: Any, message: str
+) -> None:
+    """A pool checks a hold as the budget below it does: a negative size
+    is not quietly read as nothing."""
+    pool = PoolingDriver(get_driver("cpu"))
+    with pytest.raises((TypeError, ValueError), match=message):
+        pool.reserving(0, size, credit=credit)
+
+
 def test_a_sleep_gives_back_what_a_fill_in_flight_creates(
     stats: StatisticsDriver, device: str
 ) -> None:

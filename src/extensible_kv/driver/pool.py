@@ -316,7 +316,10 @@ class PoolingDriver(DriverAdaptor):
     ) -> AbstractContextManager[object]:
         """Hold below what the idle handles on ``device`` will not serve:
         they hold their memory (and its claim) already. Where they are not
-        of the sizes the work creates, its creates beyond claim one by one."""
+        of the sizes the work creates, its creates beyond claim one by one.
+        ``size`` and ``credit`` are bytes, checked before anything is counted."""
+        check_bytes("size", size)
+        check_bytes("credit", credit)
         with self._lock:
             idle = sum(
                 kind[0] * len(handles) for kind, handles in self._idle.items() if kind[1] == device
