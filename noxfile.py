@@ -54,6 +54,7 @@ def vllm(session: nox.Session) -> None:
         "tests/test_vllm_layouts.py",
         "tests/test_vllm_elastic.py",
         "tests/test_vllm_scheduler.py",
+        "tests/test_vllm_async_scheduler.py",
         "tests/test_vllm_server.py",
         "tests/test_vllm_metrics.py",
         "tests/test_vllm_rl.py",

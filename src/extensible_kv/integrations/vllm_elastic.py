@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from extensible_kv.devices import without_wants
 from extensible_kv.integrations.vllm_steps import scheduled_block_ids
@@ -46,12 +47,15 @@ class ElasticSteps:
         """``output`` (a step's, from vLLM's runner) carrying the report on
         this step's orders to the scheduler, once; ``output`` itself when
         there is none. The report goes on a copy: vLLM reuses one empty
-        output for every empty step."""
+        output for every empty step. An output still being computed (vLLM's
+        ``AsyncModelRunnerOutput``, what its GPU runner returns under async
+        scheduling) carries it on the output it gives when done."""
         if output is None or self.report is None:
             return output
-        output = copy.copy(output)
-        output.extensible_kv, self.report = self.report, None
-        return output
+        report, self.report = self.report, None
+        if isinstance(output, AsyncModelRunnerOutput):
+            return _Reported(output, report)
+        return _carrying(output, report)
 
     def before_step(self, scheduler_output: Any, wake: Callable[[], None]) -> None:
         """Hold what the scheduler's orders say before the step runs. An
@@ -129,3 +133,22 @@ class ElasticSteps:
             wanted = [u for lo, hi in self.orders.wanted for u in range(lo, hi)]
             self.blocks.give_back(wanted[agreed : report.granted])
         return ElasticReport(report.seq, agreed)
+
+
+def _carrying(output: Any, report: ElasticReport) -> Any:
+    """A copy of ``output`` (vLLM's ``ModelRunnerOutput``) with ``report``."""
+    output = copy.copy(output)
+    output.extensible_kv = report
+    return output
+
+
+class _Reported(AsyncModelRunnerOutput):  # type: ignore[misc]
+    """vLLM's async output of a step, giving, when done, the step's output
+    with the report on its orders."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput, report: ElasticReport) -> None:
+        self._inner = inner
+        self._report = report
+
+    def get_output(self) -> Any:
+        return _carrying(self._inner.get_output(), self._report)

@@ -65,6 +65,9 @@ class PackedFreeQueue:
         self.lend_cached = True
         #: Set by every change; the scheduler clears it when it plans.
         self.changed = True
+        #: Units a block of which a request gave back since the scheduler
+        #: last looked (:meth:`take_freed`): a batch still running may use it.
+        self._freed: list[int] = []
         for block in free:
             self._state[block.block_id] = _HIDDEN
         self.reveal(0)
@@ -97,14 +100,17 @@ class PackedFreeQueue:
 
     def append(self, block: Any) -> None:
         self._to_cached(block.block_id)
+        self._freed.append(block.block_id // self.blocks_per_unit)
 
     def append_n(self, blocks: list[Any]) -> None:
         for block in blocks:
             self._to_cached(block.block_id)
+            self._freed.append(block.block_id // self.blocks_per_unit)
 
     def prepend_n(self, blocks: list[Any]) -> None:
         for block in blocks:
             self._to_clean(block.block_id)
+            self._freed.append(block.block_id // self.blocks_per_unit)
 
     def get_all_free_blocks(self) -> list[Any]:
         clean = sorted(i for i in set(self._heap) if self._state[i] == _CLEAN)
@@ -155,6 +161,12 @@ class PackedFreeQueue:
         self.changed = True
 
     # -- what the scheduler calls ------------------------------------------------
+
+    def take_freed(self) -> list[int]:
+        """The units of the blocks requests gave back since the last call
+        (a unit once per block)."""
+        freed, self._freed = self._freed, []
+        return freed
 
     @property
     def num_cached(self) -> int:

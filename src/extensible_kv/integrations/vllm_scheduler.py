@@ -30,10 +30,15 @@ within a step of the load falling. An engine stepped in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps only while ``generate`` runs,
 so there the orders go with the next step.
 
-This scheduler subclasses vLLM's synchronous ``Scheduler`` (vLLM's
-``AsyncScheduler`` overlaps a step with the next schedule, and a unit given
-back must not be in use by a step still running): vLLM warns that a custom
-scheduler runs without async scheduling.
+It runs on whichever scheduler vLLM chose: its ``AsyncScheduler`` where
+async scheduling is on (vLLM's default on a GPU; the CPU build turns it
+off), its ``Scheduler`` otherwise (:class:`ExtensibleKVScheduler` makes an
+:class:`ExtensibleKVAsyncScheduler` for the first). With async scheduling
+or pipeline parallelism vLLM runs a batch queue, scheduling a batch while
+the one before still executes: a unit goes back only once no batch running
+may use a block of it (:mod:`~extensible_kv.integrations.vllm_in_flight`),
+and units asked for stay asked for until the workers' report on them is
+in, so that orders sent meanwhile never give them back.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from extensible_kv.integrations.vllm_free_queue import PackedFreeQueue
+from extensible_kv.integrations.vllm_in_flight import BatchesInFlight
 from extensible_kv.integrations.vllm_options import options_of
 from extensible_kv.integrations.vllm_pressure import Pressure
 from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, ranges_of, units_of
@@ -87,6 +94,9 @@ class ElasticPlan:
         self.committed[0] = 1
         #: Blocks of the committed units.
         self.held_blocks = len(self.queue.unit_blocks(0))
+        #: Batches vLLM scheduled and has not had the output of yet.
+        self.in_flight = BatchesInFlight()
+        #: Units asked for that no report has granted or refused yet.
         self._pending: list[int] = []
         self._sent_held: tuple[tuple[int, int], ...] = ()  # the first plan sends
         self._sent_use = (0, 0)
@@ -100,8 +110,19 @@ class ElasticPlan:
 
     def needs_step(self) -> bool:
         """Whether a step would change what the workers hold (checked when
-        no request runs, so that memory follows the load down)."""
-        return self.queue.changed
+        no request runs, so that memory follows the load down): a change,
+        or units that go back once the batches running are done."""
+        return self.queue.changed or self.in_flight.any_pinned
+
+    def batch_scheduled(self) -> None:
+        """vLLM scheduled a batch (after the plan of its orders)."""
+        self.in_flight.given_back(self.queue.take_freed())
+        self.in_flight.batch_scheduled()
+
+    def batch_finished(self) -> None:
+        """vLLM took a batch's output in (its requests' blocks given back)."""
+        self.in_flight.given_back(self.queue.take_freed())
+        self.in_flight.batch_finished()
 
     def plan(
         self, demand_blocks: int, give_blocks: int = 0, ahead_blocks: int = 0
@@ -112,6 +133,7 @@ class ElasticPlan:
         for units up to it; and ``ahead_blocks`` free blocks more while no
         budget refuses and no other process wants memory."""
         queue = self.queue
+        self.in_flight.given_back(queue.take_freed())
         self._bound_cache()
         if give_blocks:
             self._give(give_blocks)
@@ -132,9 +154,14 @@ class ElasticPlan:
         wanted: list[int] = []
         ask = False
         short = demand_blocks + ahead_blocks - queue.num_clean
-        if short <= 0:
+        if self._pending:
+            # Asked for by orders whose report is not in yet (a batch in
+            # flight): asked for again, so these orders do not give back
+            # what a worker committed for the ones before.
+            wanted = self._pending
+        elif short <= 0:
             self._release(-short)
-        elif not self._pending and time.monotonic() >= self._retry_at:
+        elif time.monotonic() >= self._retry_at:
             own = queue.num_clean + queue.num_cached
             ask = self._refused_recently() and own < demand_blocks
             wanted = self._units_to_commit(short)
@@ -242,7 +269,12 @@ class ElasticPlan:
             if surplus_blocks < 1:
                 break
             size = len(queue.unit_blocks(unit))
-            if size <= surplus_blocks and self.committed[unit] and queue.is_empty(unit):
+            if (
+                size <= surplus_blocks
+                and self.committed[unit]
+                and queue.is_empty(unit)
+                and not self.in_flight.pinned(unit)
+            ):
                 queue.hide(unit)
                 self.committed[unit] = 0
                 self.held_blocks -= size
@@ -251,26 +283,36 @@ class ElasticPlan:
 
     def confirm(self, orders: ElasticOrders | None, report: ElasticReport | None) -> None:
         """The workers' answer: the units of ``orders.wanted`` they
-        committed join the free blocks; the rest are asked for again later."""
+        committed join the free blocks; the rest are asked for again later.
+        With a batch queue the answer may be to orders before the last
+        ones, which asked for the same units again: what it grants counts,
+        and what it refuses is left to the last orders' answer."""
         if orders is None or not orders.wanted:
             return
         granted = report.granted if report is not None and report.seq == orders.seq else 0
         units = units_of(orders.wanted)
+        pending = set(self._pending)
         for unit in units[:granted]:
-            self.committed[unit] = 1
-            self.held_blocks += len(self.queue.unit_blocks(unit))
-            self.queue.reveal(unit)
+            # Not pending: an answer to orders before granted it already,
+            # and the plan may have given it back since.
+            if unit in pending:
+                self.committed[unit] = 1
+                self.held_blocks += len(self.queue.unit_blocks(unit))
+                self.queue.reveal(unit)
         self._held_cache = None
-        # What the workers hold now: a later release must be sent even when
-        # it brings the held units back to what the last orders said.
-        self._sent_held = ranges_of([*units_of(orders.held), *units[:granted]])
+        latest = orders.seq == self._seq
+        if latest:
+            # What the workers hold now: a later release must be sent even
+            # when it brings the held units back to what the last orders said.
+            self._sent_held = ranges_of([*units_of(orders.held), *units[:granted]])
         if granted < len(units):
             self._retry_at = time.monotonic() + REFUSED_RETRY_S
             # A worker may hold units it could not report (a peer refused
             # them, a report went missing): the next orders say what to keep.
             self._sent_held = ()
             logger.debug("extensible-kv: %d of %d units refused", len(units) - granted, len(units))
-        self._pending = []
+        done = set(units if latest else units[:granted])
+        self._pending = [unit for unit in self._pending if unit not in done]
         self.queue.changed = True
 
     @contextmanager
@@ -299,7 +341,23 @@ def blocks_per_unit(kv_cache_config: Any) -> int:
 
 class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
     """vLLM's scheduler, deciding the KV memory of ``growth: "elastic"`` (see
-    the module); with any other growth, vLLM's scheduler unchanged."""
+    the module); with any other growth, vLLM's scheduler unchanged.
+
+    The one name users pass as ``scheduler_cls``, whichever scheduler vLLM
+    decided on: where its config has async scheduling on, making one makes
+    an :class:`ExtensibleKVAsyncScheduler` (this class on vLLM's
+    ``AsyncScheduler``), so a custom scheduler costs no overlap."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ExtensibleKVScheduler:
+        # vLLM picks its scheduler class before it makes one, from the
+        # config alone (SchedulerConfig.get_scheduler_cls); the choice
+        # between the synchronous and the async base is made here, from
+        # the same config, so that one public name serves both.
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        if cls is ExtensibleKVScheduler and vllm_config.scheduler_config.async_scheduling:
+            cls = ExtensibleKVAsyncScheduler
+        made: ExtensibleKVScheduler = super().__new__(cls)
+        return made
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
@@ -332,12 +390,14 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
 
     def _demand(self) -> int:
         """Free blocks the requests need soon: the rest of every waiting
-        prompt, and what running requests need for two more tokens."""
+        prompt, and what running requests need for two more tokens (beyond
+        the tokens async scheduling has scheduled ahead of their output)."""
         size = int(self.block_size)
         need: int = sum(-(-(r.num_tokens + 2) // size) for r in self.waiting)
         for request in self.running:
             held = -(-request.num_computed_tokens // size)
-            need += max(0, -(-(request.num_tokens_with_spec + 2) // size) - held)
+            ahead = request.num_tokens_with_spec + request.num_output_placeholders + 2
+            need += max(0, -(-ahead // size) - held)
         return need
 
     def _ahead(self) -> int:
@@ -355,17 +415,22 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
             if give:
                 self._pressure.spent()
         output = super().schedule(*args, **kwargs)
+        if self._elastic is not None:
+            self._elastic.batch_scheduled()
         if orders is not None:
             output.extensible_kv = orders
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        if self._elastic is not None:
-            report = getattr(model_runner_output, "extensible_kv", None)
-            if report is not None and report.ledgers:
-                self._pressure.learn(report.ledgers)
-            self._elastic.confirm(getattr(scheduler_output, "extensible_kv", None), report)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        if self._elastic is None:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        report = getattr(model_runner_output, "extensible_kv", None)
+        if report is not None and report.ledgers:
+            self._pressure.learn(report.ledgers)
+        self._elastic.confirm(getattr(scheduler_output, "extensible_kv", None), report)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._elastic.batch_finished()
+        return outputs
 
     def has_requests(self) -> bool:
         """vLLM's answer; with elastic growth also true while orders wait
@@ -383,6 +448,12 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
             return bool(super().reset_prefix_cache(*args, **kwargs))
         with self._elastic.all_visible():
             return bool(super().reset_prefix_cache(*args, **kwargs))
+
+
+class ExtensibleKVAsyncScheduler(ExtensibleKVScheduler, AsyncScheduler):  # type: ignore[misc]
+    """:class:`ExtensibleKVScheduler` on vLLM's ``AsyncScheduler``: what it
+    makes where vLLM's async scheduling is on (its method order runs ours,
+    then vLLM's async scheduling, then vLLM's scheduler)."""
 
 
 def default_cache_bytes(kv_cache_bytes: int) -> int:
