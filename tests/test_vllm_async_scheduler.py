@@ -326,6 +326,7 @@ def test_a_unit_aborted_under_a_running_batch_stays_until_the_batch_ends(
     assert 1 in state.worker.held
     state.finish_a_batch()
     state.finish_a_batch()
+    assert state.scheduler.has_requests(), "the idle engine steps once more to give it back"
     state.schedule()
     assert 1 not in state.worker.held
 

@@ -200,15 +200,16 @@ class ElasticScheduling(RuleBasedStateMachine):
         if self.plan is None:
             return
         queue = self.plan.queue
-        assert queue.units_with_cached == sum(1 for n in queue.cached_in if n)
-        if queue.changed:
-            return
         only_cached = [
             u
             for u in range(1, queue.num_units)
             if self.plan.committed[u] and queue.cached_in[u] and queue.holds_no_request(u)
         ]
-        assert sum(len(queue.unit_blocks(u)) for u in only_cached) <= self.plan.cache_blocks
+        blocks = sum(len(queue.unit_blocks(u)) for u in only_cached)
+        assert queue.units.only_cached_blocks == blocks  # the index, kept as blocks change
+        if queue.changed:
+            return
+        assert blocks <= self.plan.cache_blocks
 
 
 ElasticScheduling.TestCase.settings = settings(

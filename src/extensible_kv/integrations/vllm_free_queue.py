@@ -24,7 +24,10 @@ how vLLM's blocks are handed out so that memory can follow the load down.
 from __future__ import annotations
 
 import heapq
+from array import array
 from typing import Any
+
+from extensible_kv.integrations.vllm_unit_index import UnitIndex
 
 _USED, _CLEAN, _CACHED, _HIDDEN = 0, 1, 2, 3
 
@@ -54,11 +57,13 @@ class PackedFreeQueue:
         self._heap: list[int] = []
         self._lru: dict[int, None] = {}
         self._clean = 0
-        #: Per unit: free blocks without a hash, and cached ones.
-        self.clean_in = [0] * self.num_units
-        self.cached_in = [0] * self.num_units
-        #: Units holding a cached block.
-        self.units_with_cached = 0
+        #: When each cached block entered the cache (a count of entries).
+        self._tick = 0
+        self._cached_at = array("q", bytes(8 * len(blocks)))
+        #: Per unit: its free and cached blocks, and the orders the plan reads.
+        self.units = UnitIndex(self.num_units, self._unit_size, self._newest_cached)
+        self.clean_in = self.units.clean_in
+        self.cached_in = self.units.cached_in
         #: Whether cached blocks count as free (vLLM then evicts the least
         #: recently used for a new block, as with a full pool); the plan
         #: lends them only when no more memory can be committed.
@@ -123,26 +128,28 @@ class PackedFreeQueue:
         state, unit = self._state[block_id], block_id // self.blocks_per_unit
         if state == _CLEAN:
             self._clean -= 1
-            self.clean_in[unit] -= 1
+            self._state[block_id] = _USED
+            self.units.cleaned(unit, -1)
         elif state == _CACHED:
-            del self._lru[block_id]
-            self._uncache(unit)
+            self._uncache(block_id)
+            self._state[block_id] = _USED
+            self.units.uncached(unit, self._cached_at[block_id])
         else:
             raise AssertionError(f"block {block_id} is not free")
-        self._state[block_id] = _USED
         self.changed = True
 
-    def _uncache(self, unit: int) -> None:
-        self.cached_in[unit] -= 1
-        self.units_with_cached -= not self.cached_in[unit]
+    def _uncache(self, block_id: int) -> None:
+        del self._lru[block_id]
 
     def _to_clean(self, block_id: int) -> None:
+        unit = block_id // self.blocks_per_unit
         if self._state[block_id] == _CACHED:
-            del self._lru[block_id]
-            self._uncache(block_id // self.blocks_per_unit)
+            self._uncache(block_id)
+            self._state[block_id] = _CLEAN
+            self.units.uncached(unit, self._cached_at[block_id])
         self._state[block_id] = _CLEAN
         self._clean += 1
-        self.clean_in[block_id // self.blocks_per_unit] += 1
+        self.units.cleaned(unit, 1)
         heapq.heappush(self._heap, block_id)
         if len(self._heap) > 4 * self._clean + 1024:
             self._heap = [i for i in set(self._heap) if self._state[i] == _CLEAN]
@@ -153,12 +160,24 @@ class PackedFreeQueue:
         unit = block_id // self.blocks_per_unit
         if self._state[block_id] == _CLEAN:
             self._clean -= 1
-            self.clean_in[unit] -= 1
+            self._state[block_id] = _CACHED
+            self.units.cleaned(unit, -1)
+        elif self._state[block_id] == _CACHED:
+            self._uncache(block_id)
+            self.units.uncached(unit, self._cached_at[block_id])
         self._state[block_id] = _CACHED
         self._lru[block_id] = None
-        self.units_with_cached += not self.cached_in[unit]
-        self.cached_in[unit] += 1
+        self._tick += 1
+        self._cached_at[block_id] = self._tick
+        self.units.cached(unit, self._tick)
         self.changed = True
+
+    def _unit_size(self, unit: int) -> int:
+        return min(self.blocks_per_unit, len(self._blocks) - unit * self.blocks_per_unit)
+
+    def _newest_cached(self, unit: int) -> int:
+        """The tick of ``unit``'s newest cached block (it has one)."""
+        return max(self._cached_at[i] for i in self.unit_blocks(unit) if self._state[i] == _CACHED)
 
     # -- what the scheduler calls ------------------------------------------------
 
@@ -188,7 +207,7 @@ class PackedFreeQueue:
 
     def holds_no_request(self, unit: int) -> bool:
         """Whether every block of ``unit`` is free (cached or not)."""
-        return self.clean_in[unit] + self.cached_in[unit] == len(self.unit_blocks(unit))
+        return self.units.holds_no_request(unit)
 
     def forget(self, block_id: int) -> None:
         """A cached block lost its hash: it is free and clean now."""
@@ -205,15 +224,17 @@ class PackedFreeQueue:
 
     def is_empty(self, unit: int) -> bool:
         """Whether every block of ``unit`` is free without a hash."""
-        return self.clean_in[unit] == len(self.unit_blocks(unit))
+        return self.units.is_empty(unit)
 
     def hide(self, unit: int) -> None:
         """Take an empty unit's blocks out of circulation."""
+        hidden = 0
         for block_id in self.unit_blocks(unit):
             if self._state[block_id] == _CLEAN:
                 self._state[block_id] = _HIDDEN
-                self._clean -= 1
-                self.clean_in[unit] -= 1
+                hidden += 1
+        self._clean -= hidden
+        self.units.cleaned(unit, -hidden)
         self.changed = True
 
     def reveal(self, unit: int) -> None:

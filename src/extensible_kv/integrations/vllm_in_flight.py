@@ -50,15 +50,17 @@ class BatchesInFlight:
     def batch_scheduled(self) -> None:
         self.scheduled += 1
 
-    def batch_finished(self) -> None:
+    def batch_finished(self) -> bool:
         """A batch's output is in: the units only it (and the batches
-        before it) pinned are free."""
+        before it) pinned are free. Whether any was."""
         self.finished += 1
-        order = self._order
+        order, freed = self._order, False
         while order and order[0][0] <= self.finished:
             until, unit = order.popleft()
             if self._until.get(unit) == until:
                 del self._until[unit]
+                freed = True
+        return freed
 
     def pinned(self, unit: int) -> bool:
         """Whether a batch still running may use a block of ``unit``."""

@@ -56,6 +56,7 @@ from extensible_kv.integrations.vllm_free_queue import PackedFreeQueue
 from extensible_kv.integrations.vllm_in_flight import BatchesInFlight
 from extensible_kv.integrations.vllm_options import options_of
 from extensible_kv.integrations.vllm_pressure import Pressure
+from extensible_kv.intervals import IntervalSet
 from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, ranges_of, units_of
 from extensible_kv.kv.strided import segmentation
 
@@ -90,8 +91,11 @@ class ElasticPlan:
         pool.free_block_queue = self.queue
         self.cache_blocks = cache_blocks
         self.floor_blocks = floor_blocks
+        #: Per unit, whether the workers hold it (1) or not (0); as ranges.
         self.committed = bytearray(self.queue.num_units)
         self.committed[0] = 1
+        self._committed_ranges = IntervalSet()
+        self._committed_ranges.add(0, 1)
         #: Blocks of the committed units.
         self.held_blocks = len(self.queue.unit_blocks(0))
         #: Batches vLLM scheduled and has not had the output of yet.
@@ -120,9 +124,12 @@ class ElasticPlan:
         self.in_flight.batch_scheduled()
 
     def batch_finished(self) -> None:
-        """vLLM took a batch's output in (its requests' blocks given back)."""
+        """vLLM took a batch's output in (its requests' blocks given back).
+        Units it unpins may go back now: the next step, if the engine is
+        idle, is there to give them (:meth:`needs_step`)."""
         self.in_flight.given_back(self.queue.take_freed())
-        self.in_flight.batch_finished()
+        if self.in_flight.batch_finished():
+            self.queue.changed = True
 
     def plan(
         self, demand_blocks: int, give_blocks: int = 0, ahead_blocks: int = 0
@@ -150,7 +157,7 @@ class ElasticPlan:
         # costs the idle engine a step (and on vLLM's CPU build, a core for
         # a second after it: a worker busy-waits on its queue that long),
         # and its cache is what lets its next request start warm.
-        queue.lend_cached = self._refused_recently() or all(self.committed)
+        queue.lend_cached = self._refused_recently() or self._all_committed()
         wanted: list[int] = []
         ask = False
         short = demand_blocks + ahead_blocks - queue.num_clean
@@ -179,36 +186,31 @@ class ElasticPlan:
         """Drop the prefix cache's units, least recently used first, until
         ``blocks`` blocks are free to go back (the release that follows
         gives them), keeping at least the floor's blocks held."""
-        queue = self.queue
-        doomed = self._only_cached_oldest_first()
+        units = self.queue.units
         left = self.held_blocks
-        for unit in doomed:
-            size = len(queue.unit_blocks(unit))
-            if blocks <= 0 or left - size < self.floor_blocks:
+        while blocks > 0:
+            unit = units.oldest_only_cached()
+            if unit is None or left - units.size(unit) < self.floor_blocks:
                 break
             self._evict(unit)
-            blocks -= size
-            left -= size
+            blocks -= units.size(unit)
+            left -= units.size(unit)
 
     def can_give(self) -> bool:
         """Whether a unit no request holds could go back, above the floor."""
-        queue = self.queue
-        return any(
-            self.committed[unit]
-            and queue.holds_no_request(unit)
-            and self.held_blocks - len(queue.unit_blocks(unit)) >= self.floor_blocks
-            for unit in range(1, queue.num_units)
+        units, last = self.queue.units, self.queue.num_units - 1
+        if self.held_blocks - self.blocks_per_unit >= self.floor_blocks:
+            return units.any_holding_no_request()
+        # Only the last unit, which may be shorter, could go and keep the floor.
+        return (
+            last > 0
+            and bool(self.committed[last])
+            and units.holds_no_request(last)
+            and self.held_blocks - units.size(last) >= self.floor_blocks
         )
 
-    def _only_cached_oldest_first(self) -> list[int]:
-        """Units held only for cached blocks, the one used longest ago first."""
-        queue = self.queue
-        newest_first: dict[int, None] = {}
-        for block_id in reversed(queue.cached_oldest_first()):
-            unit = block_id // self.blocks_per_unit
-            if unit and queue.holds_no_request(unit):
-                newest_first.setdefault(unit)
-        return list(reversed(newest_first))
+    def _all_committed(self) -> bool:
+        return self._committed_ranges.total == self.queue.num_units
 
     def _evict(self, unit: int) -> None:
         """Drop ``unit``'s cached blocks from the prefix cache (vLLM's
@@ -223,20 +225,12 @@ class ElasticPlan:
         blocks: the unit whose latest use is oldest loses its cached blocks
         first (vLLM's ``evict_blocks``). Cached blocks in a unit a request
         uses cost no memory of their own, and stay."""
-        queue = self.queue
-        if queue.units_with_cached * self.blocks_per_unit <= self.cache_blocks:
-            return
-        only_cached = {
-            unit: len(queue.unit_blocks(unit))
-            for unit in range(1, queue.num_units)
-            if queue.cached_in[unit] and queue.holds_no_request(unit)
-        }
-        excess = sum(only_cached.values()) - self.cache_blocks
-        for unit in self._only_cached_oldest_first():
-            if excess <= 0:
+        units = self.queue.units
+        while units.only_cached_blocks > self.cache_blocks:
+            unit = units.oldest_only_cached()
+            if unit is None:
                 break
             self._evict(unit)
-            excess -= only_cached[unit]
 
     def _refused_recently(self) -> bool:
         return time.monotonic() < self._retry_at + 1.0
@@ -244,42 +238,55 @@ class ElasticPlan:
     def _held_ranges(self) -> tuple[tuple[int, int], ...]:
         """The committed units as ranges, made again only after a change."""
         if self._held_cache is None:
-            self._held_cache = ranges_of(
-                u for u in range(self.queue.num_units) if self.committed[u]
-            )
+            self._held_cache = tuple(self._committed_ranges)
         return self._held_cache
 
     def _units_to_commit(self, blocks: int) -> list[int]:
+        """The lowest units not committed whose blocks cover ``blocks``."""
         units: list[int] = []
-        for unit in range(self.queue.num_units):
-            if blocks <= 0:
-                break
-            if not self.committed[unit]:
+        for start, end in self._committed_ranges.gaps(0, self.queue.num_units):
+            for unit in range(start, end):
+                if blocks <= 0:
+                    return units
                 units.append(unit)
-                blocks -= len(self.queue.unit_blocks(unit))
+                blocks -= self.queue.units.size(unit)
         return units
 
     def _release(self, surplus_blocks: int) -> None:
         """Give back empty units, highest first, while the free blocks left
-        still cover the demand."""
-        queue = self.queue
+        still cover the demand; none a batch in flight may still use."""
         if surplus_blocks < self.blocks_per_unit:
             return  # not a whole unit to spare (the last, shorter one waits)
-        for unit in range(queue.num_units - 1, 0, -1):
-            if surplus_blocks < 1:
+        units, kept = self.queue.units, []
+        while surplus_blocks > 0:
+            unit = units.pop_empty()
+            if unit is None:
                 break
-            size = len(queue.unit_blocks(unit))
-            if (
-                size <= surplus_blocks
-                and self.committed[unit]
-                and queue.is_empty(unit)
-                and not self.in_flight.pinned(unit)
-            ):
-                queue.hide(unit)
-                self.committed[unit] = 0
-                self.held_blocks -= size
-                self._held_cache = None
-                surplus_blocks -= size
+            kept.append(unit)
+            if self.in_flight.pinned(unit):
+                continue
+            size = units.size(unit)
+            if size > surplus_blocks:
+                break  # the units below are whole ones, no smaller
+            kept.pop()
+            self._set_committed(unit, False)
+            surplus_blocks -= size
+        for unit in kept:
+            units.push_empty(unit)
+
+    def _set_committed(self, unit: int, committed: bool) -> None:
+        """Count ``unit`` as held by the workers or not, its blocks in
+        circulation or out of it."""
+        size = self.queue.units.size(unit)
+        if committed:
+            self.queue.reveal(unit)
+            self._committed_ranges.add(unit, unit + 1)
+        else:
+            self.queue.hide(unit)
+            self._committed_ranges.remove(unit, unit + 1)
+        self.committed[unit] = committed
+        self.held_blocks += size if committed else -size
+        self._held_cache = None
 
     def confirm(self, orders: ElasticOrders | None, report: ElasticReport | None) -> None:
         """The workers' answer: the units of ``orders.wanted`` they
@@ -296,15 +303,12 @@ class ElasticPlan:
             # Not pending: an answer to orders before granted it already,
             # and the plan may have given it back since.
             if unit in pending:
-                self.committed[unit] = 1
-                self.held_blocks += len(self.queue.unit_blocks(unit))
-                self.queue.reveal(unit)
-        self._held_cache = None
+                self._set_committed(unit, True)
         latest = orders.seq == self._seq
         if latest:
             # What the workers hold now: a later release must be sent even
             # when it brings the held units back to what the last orders said.
-            self._sent_held = ranges_of([*units_of(orders.held), *units[:granted]])
+            self._sent_held = self._held_ranges()
         if granted < len(units):
             self._retry_at = time.monotonic() + REFUSED_RETRY_S
             # A worker may hold units it could not report (a peer refused
