@@ -34,6 +34,7 @@ unit is in the books exactly while every byte of it is mapped.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from extensible_kv._checks import check_int
@@ -137,7 +138,8 @@ class ElasticBlocks:
         self.buffers = buffers
         self.num_blocks = num_blocks
         self._books = buffers._units
-        self._books.blocks_per_unit, self._books.num_blocks = 1, num_blocks
+        self._books.num_blocks = num_blocks
+        self._books.set((), blocks_per_unit=1)
         #: The most blocks held at once so far.
         self.high_water = 0
 
@@ -147,7 +149,7 @@ class ElasticBlocks:
         return self._books.blocks_per_unit
 
     @property
-    def _held(self) -> set[int]:
+    def _held(self) -> frozenset[int]:
         return self._books.units
 
     # -- what is held ---------------------------------------------------------
@@ -155,7 +157,7 @@ class ElasticBlocks:
     @property
     def held_units(self) -> UnitRanges:
         """The units held now, as ranges (empty while the cache sleeps)."""
-        return ranges_of(self._held)
+        return self._books.ranges
 
     @property
     def num_blocks_held(self) -> int:
@@ -212,6 +214,14 @@ class ElasticBlocks:
         self._check_orders(orders)
         if self.buffers.asleep:
             raise ValueError("the KV cache sleeps; wake() before applying orders")
+        if (
+            not orders.wanted
+            and orders.blocks_per_unit == self.blocks_per_unit
+            and orders.held == self._books.ranges
+        ):
+            # Held already (orders go out whenever the blocks in use change):
+            # nothing to map, and no walk of every unit held.
+            return ElasticReport(orders.seq, 0)
         if orders.blocks_per_unit != self.blocks_per_unit:
             self._rebase(orders.blocks_per_unit)
         held = set(units_of(orders.held)) | {0}
@@ -266,13 +276,13 @@ class ElasticBlocks:
         new unit that overlaps a held block is held, and committed whole
         (or, if that fails, the books stay in the old units)."""
         books = self._books
-        blocks = [b for lo, hi in books.block_ranges(books.units) for b in range(lo, hi)]
+        blocks = [b for lo, hi in books.blocks_of(books.ranges) for b in range(lo, hi)]
         before = books.blocks_per_unit, books.units
-        books.blocks_per_unit, books.units = blocks_per_unit, set()
+        books.set((), blocks_per_unit=blocks_per_unit)
         try:
             self._commit({block // blocks_per_unit for block in blocks})
         except BaseException:
-            books.blocks_per_unit, books.units = before
+            books.set(before[1], blocks_per_unit=before[0])
             raise
 
     def _commit(self, units: set[int]) -> None:
@@ -293,9 +303,9 @@ class ElasticBlocks:
                 full = tensor.full_view()
                 for offset, size in runs:
                     full[offset : offset + size].zero_()
-        self._held.update(new)
+        self._books.set(self._held | new)
 
-    def _release_outside(self, keep: set[int], *, unheld: bool = False) -> None:
+    def _release_outside(self, keep: AbstractSet[int], *, unheld: bool = False) -> None:
         """Give back every granule holding no byte of ``keep``'s units, when
         a held unit lies outside ``keep`` (with ``unheld``, whatever the
         books say: granules kept for units that were not committed after all).
@@ -310,7 +320,7 @@ class ElasticBlocks:
         buffers = [tensor.buffer for tensor, _ in self.buffers.tensors]
         with Transaction(buffers) as txn:
             release_outside_together(list(zip(buffers, ranges, strict=True)))
-            self._books.units = self._held & keep
+            self._books.set(self._held & keep)
             txn.commit()
 
     # -- sleep ----------------------------------------------------------------

@@ -28,17 +28,44 @@ def ranges_of(units: Iterable[int]) -> tuple[tuple[int, int], ...]:
 class HeldUnits:
     """Units of ``blocks_per_unit`` consecutive blocks held, each with
     memory behind every byte of its blocks in every tensor; the blocks past
-    ``num_blocks`` (the engine's count) are not the engine's."""
+    ``num_blocks`` (the engine's count) are not the engine's.
+
+    ``units`` is read-only to callers; they change it through the methods
+    below, which keep its ranges and block count at hand (a worker reads
+    them every step, and at tens of thousands of units a recount costs
+    milliseconds)."""
 
     def __init__(self) -> None:
         self.blocks_per_unit = 1
         self.num_blocks = 0
-        self.units: set[int] = set()
+        self.units: frozenset[int] = frozenset()
+        self._ranges: tuple[tuple[int, int], ...] | None = ()
+        self._blocks: int | None = 0
+
+    def set(self, units: Iterable[int], blocks_per_unit: int | None = None) -> None:
+        """Hold exactly ``units`` (in units of ``blocks_per_unit`` blocks,
+        if given)."""
+        if blocks_per_unit is not None:
+            self.blocks_per_unit = blocks_per_unit
+        self.units = frozenset(units)
+        self._ranges = self._blocks = None
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The units held, as sorted ``(start, end)`` ranges."""
+        if self._ranges is None:
+            self._ranges = ranges_of(self.units)
+        return self._ranges
 
     def block_ranges(self, units: Iterable[int]) -> list[tuple[int, int]]:
         """The ``(start, end)`` block ranges of ``units``, within the engine's count."""
+        return self.blocks_of(ranges_of(units))
+
+    def blocks_of(self, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The ``(start, end)`` block ranges of unit ``ranges``, within the
+        engine's count."""
         per, out = self.blocks_per_unit, []
-        for start, end in ranges_of(units):
+        for start, end in ranges:
             lo, hi = start * per, min(end * per, self.num_blocks)
             if lo < hi:
                 out.append((lo, hi))
@@ -47,7 +74,9 @@ class HeldUnits:
     @property
     def num_blocks_held(self) -> int:
         """Blocks of the units held."""
-        return sum(hi - lo for lo, hi in self.block_ranges(self.units))
+        if self._blocks is None:
+            self._blocks = sum(hi - lo for lo, hi in self.blocks_of(self.ranges))
+        return self._blocks
 
     def check_none(self, what: str, instead: str) -> None:
         """Refuse ``what``, an operation on the cache's committed prefix
@@ -61,4 +90,4 @@ class HeldUnits:
 
     def forget(self) -> None:
         """Hold nothing: the cache's memory has gone (a sleep, ``clear()``)."""
-        self.units = set()
+        self.set(())
