@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv.bench import budget, engine, suites
+from extensible_kv.bench import budget, engine, scheduler, suites
 from extensible_kv.bench.measure import MiB, warm_up
 
 #: The suites, in the order they run.
@@ -29,6 +29,7 @@ SUITES = (
     "overhead",
     "budget",
     "vllm",
+    "scheduler",
 )
 
 
@@ -58,6 +59,30 @@ class BenchPlan:
     budget_cycles: int = 200
     budget_pairs: int = 10_000
     budget_cache_bytes: int = 256 * MiB
+    #: The scheduler suite (no model; vLLM's scheduler and ours, on the host
+    #: whatever the device): requests of its steady traces, measured steps
+    #: per trace, new tokens per request (mean), layer-outermost KV caches
+    #: in GiB (the first also block-outermost); and on the device, the
+    #: driver calls of a burst of ``scheduler_burst_units`` one-block units
+    #: over ``scheduler_burst_segments`` segments.
+    scheduler_load: int = 256
+    scheduler_steps: int = 200
+    scheduler_tokens: int = 32
+    scheduler_kv_gib: tuple[int, ...] = (60, 120)
+    scheduler_burst_units: int = 512
+    scheduler_burst_segments: int = 64
+
+    def scheduler_plan(self) -> scheduler.SchedulerPlan:
+        """The scheduler suite's sizes."""
+        return scheduler.SchedulerPlan(
+            load=self.scheduler_load,
+            steps=self.scheduler_steps,
+            tokens=self.scheduler_tokens,
+            kv_gib=self.scheduler_kv_gib,
+            burst_units=self.scheduler_burst_units,
+            burst_segments=self.scheduler_burst_segments,
+            repeats=self.repeats,
+        )
 
     @classmethod
     def for_device(cls, device: torch.device, quick: bool) -> BenchPlan:
@@ -81,6 +106,12 @@ class BenchPlan:
                 budget_cycles=50,
                 budget_pairs=1000,
                 budget_cache_bytes=32 * MiB,
+                scheduler_load=8,
+                scheduler_steps=8,
+                scheduler_tokens=4,
+                scheduler_kv_gib=(1, 2),
+                scheduler_burst_units=256,
+                scheduler_burst_segments=4,
             )
         if device.type == "cuda":
             return cls(
@@ -141,6 +172,7 @@ def run(
             plan.repeats,
         ),
         "vllm": lambda: engine.suite(plan.vllm_rounds, plan.vllm_kv_bytes),
+        "scheduler": lambda: scheduler.suite(plan.scheduler_plan(), str(device)),
     }
     for name in SUITES:
         progress(name)

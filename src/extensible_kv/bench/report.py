@@ -173,6 +173,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
         out.append(elastic_table(results["vllm"]["elastic"]))
     if "several" in results.get("vllm", {}):
         out.append(several_table(results["vllm"]["several"]))
+    if "scheduler" in results:
+        out.extend(scheduler_tables(results["scheduler"]))
     out.append(goals(results))
     return out
 
@@ -265,6 +267,46 @@ def several_table(several: dict[str, Any]) -> Table:
         f"bursts, against a static split ({several['rounds']} rounds): median [min-max]",
         rows(several),
     )
+
+
+def scheduler_tables(results: dict[str, Any]) -> list[Table]:
+    """The ``scheduler`` suite: each side's time per step and the ratios,
+    the step where the load falls, where ours's time goes, and the driver
+    calls of a burst; where vLLM is missing, why the schedulers did not run."""
+    from extensible_kv.bench import scheduler
+
+    out = []
+    if "skipped" in results:
+        table = Table(title="13. vLLM's scheduler and ours, no model")
+        table.add_column("skipped")
+        table.add_row(results["skipped"])
+        out.append(table)
+    else:
+        profile = results["profile"]
+        out += [
+            _table(
+                f"13. vLLM's scheduler and ours, no model: ms per step, schedule() + "
+                f"update_from_output() ({results['load']} requests, {results['steps']} steps)",
+                scheduler.rows(results),
+            ),
+            _table(
+                "13b. the step where the load falls, each burst's", scheduler.falling_rows(results)
+            ),
+            _table(
+                f"13c. where ours's time goes: cProfile on {profile['trace']} at "
+                f"{profile['scale']}, {profile['total_s']:.2f} s in all; most own time",
+                scheduler.profile_rows(results),
+            ),
+            _table(
+                "13d. extensible-kv's functions in that profile, most cumulative time",
+                scheduler.profile_rows(results, "ours"),
+            ),
+        ]
+    calls = results["driver_calls"]
+    out.append(
+        _table(f"13e. driver calls: {scheduler.driver_title(calls)}", scheduler.driver_rows(calls))
+    )
+    return out
 
 
 def _table(title: str, rows: list[list[str]]) -> Table:
