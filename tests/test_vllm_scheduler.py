@@ -36,7 +36,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
-from extensible_kv.integrations.vllm_scheduler import REFUSED_RETRY_S, ElasticPlan
+from extensible_kv.integrations.vllm_plan import REFUSED_RETRY_S, RELEASE_PER_STEP, ElasticPlan
 from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, units_of
 
 NUM_BLOCKS = 70  # 9 units of 8, the last one short
@@ -367,3 +367,35 @@ def test_the_cache_bound_drops_the_unit_used_longest_ago() -> None:
     assert hashed == [b.block_id for b in first]  # unit 2's cached blocks were dropped
     assert units_of(orders.held) == [0, 1]
     assert worker.held == {0, 1}
+
+
+def test_at_thirty_thousand_units_the_load_falls_in_bounded_steps() -> None:
+    """One-block units, as a block-outermost 60 GiB cache makes (30,720 of
+    them): a burst fills 20,000 blocks, then ends with every block cached.
+    Each step after evicts and gives back at most RELEASE_PER_STEP units,
+    asks for another step while more could go, and once it asks no more the
+    workers hold unit 0 and the prefix cache within its bound, nothing else."""
+    blocks, cache = 30_720, 256
+    pool = BlockPool(blocks, enable_caching=True, hash_block_size=16)
+    plan = ElasticPlan(pool, 1, cache)
+    worker = Worker(budget_units=blocks)
+    orders = plan.plan(20_000)
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))
+    free(pool, pool.get_new_blocks(20_000), itertools.count())
+    steps = 0
+    while plan.needs_step():
+        steps += 1
+        assert steps < 1000, "the load never finished falling"
+        before = set(worker.held)
+        cached = plan.queue.num_cached
+        orders = plan.plan(0)
+        assert cached - plan.queue.num_cached <= RELEASE_PER_STEP  # evicted this step
+        if orders is not None:
+            plan.confirm(orders, worker.apply(orders))
+        assert len(before - worker.held) <= RELEASE_PER_STEP  # given back this step
+    assert steps >= (20_000 - cache) // RELEASE_PER_STEP
+    committed = {u for u, flag in enumerate(plan.committed) if flag}
+    assert worker.held == committed
+    assert committed == {0} | {b.block_id for b in pool.blocks if b.block_hash is not None}
+    assert plan.queue.num_cached == cache

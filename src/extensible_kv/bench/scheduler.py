@@ -520,13 +520,20 @@ def _spread(seconds: list[float]) -> dict[str, float]:
 
 def _figures(side: _Side) -> dict[str, Any]:
     """A side's measured steps (those its ``has_requests()`` asked for):
-    their spread, count and tokens, and its falling steps."""
+    the spread, count and tokens of those that scheduled tokens (the work
+    both sides do), the count and slowest of the empty ones (ours steps
+    while idle to give memory back, a bounded part each step), and its
+    falling steps."""
     steps = [b for b in side.batches if b.measured and b.asked]
+    busy = [b for b in steps if b.tokens] or steps
+    empty = [b.seconds for b in steps if not b.tokens]
     falls = [b for b in side.batches if b.falling]
     return {
-        "steps": len(steps),
-        "tokens": sum(b.tokens for b in steps),
-        "seconds": _spread([b.seconds for b in steps]),
+        "steps": len(busy),
+        "tokens": sum(b.tokens for b in busy),
+        "seconds": _spread([b.seconds for b in busy]),
+        "empty_steps": len(empty),
+        "empty_max_s": max(empty, default=0.0),
         "falling_s": [b.seconds for b in falls],
         "falling_asked": [b.asked for b in falls],
     }
@@ -845,9 +852,10 @@ def _units(results: dict[str, Any], scale: str) -> str:
 
 
 def rows(results: dict[str, Any]) -> list[list[str]]:
-    """Per mode, scale and trace, header first: each side's step time in ms,
-    median [min-max] and p99, the ratios ours / stock and the goals'
-    verdicts, and the tokens ours scheduled over stock's (the same work)."""
+    """Per mode, scale and trace, header first: each side's time of a step
+    that scheduled tokens in ms, median [min-max] and p99, the ratios ours /
+    stock and the goals' verdicts, the tokens ours scheduled over stock's
+    (the same work), and the empty steps each took (slowest in ms)."""
     out = [
         [
             "async scheduling",
@@ -860,6 +868,7 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
             f"ours / stock: median (goal <= {MEDIAN_GOAL})",
             f"p99 (goal <= {P99_GOAL})",
             "tokens ours / stock",
+            "empty steps ours / stock (slowest ms)",
         ]
     ]
     for run in results["runs"]:
@@ -872,6 +881,8 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
             f"{ratio['median']:.3f}x ({goals['median']})",
             f"{ratio['p99']:.3f}x ({goals['p99']})",
             f"{run['ours']['tokens'] / max(run['stock']['tokens'], 1):.3f}",
+            f"{run['ours']['empty_steps']} ({_ms(run['ours']['empty_max_s'])}) / "
+            f"{run['stock']['empty_steps']} ({_ms(run['stock']['empty_max_s'])})",
         ]
         out.append(cells)
     return out

@@ -61,7 +61,9 @@ class PackedFreeQueue:
         self._tick = 0
         self._cached_at = array("q", bytes(8 * len(blocks)))
         #: Per unit: its free and cached blocks, and the orders the plan reads.
-        self.units = UnitIndex(self.num_units, self._unit_size, self._newest_cached)
+        per, count = blocks_per_unit, len(blocks)
+        sizes = [min(per, count - unit * per) for unit in range(self.num_units)]
+        self.units = UnitIndex(sizes, self._newest_cached)
         self.clean_in = self.units.clean_in
         self.cached_in = self.units.cached_in
         #: Whether cached blocks count as free (vLLM then evicts the least
@@ -75,7 +77,7 @@ class PackedFreeQueue:
         self._freed: list[int] = []
         for block in free:
             self._state[block.block_id] = _HIDDEN
-        self.reveal(0)
+        self.reveal(0, 1)
 
     # -- what vLLM's block pool calls -----------------------------------------
 
@@ -129,51 +131,48 @@ class PackedFreeQueue:
         if state == _CLEAN:
             self._clean -= 1
             self._state[block_id] = _USED
-            self.units.cleaned(unit, -1)
+            self.units.change(unit, clean=-1)
         elif state == _CACHED:
-            self._uncache(block_id)
+            del self._lru[block_id]
             self._state[block_id] = _USED
-            self.units.uncached(unit, self._cached_at[block_id])
+            self.units.change(unit, cached=-1, left=self._cached_at[block_id])
         else:
             raise AssertionError(f"block {block_id} is not free")
         self.changed = True
 
-    def _uncache(self, block_id: int) -> None:
-        del self._lru[block_id]
-
     def _to_clean(self, block_id: int) -> None:
-        unit = block_id // self.blocks_per_unit
-        if self._state[block_id] == _CACHED:
-            self._uncache(block_id)
-            self._state[block_id] = _CLEAN
-            self.units.uncached(unit, self._cached_at[block_id])
+        unit, state = block_id // self.blocks_per_unit, self._state[block_id]
         self._state[block_id] = _CLEAN
+        if state == _CACHED:
+            del self._lru[block_id]
+            self.units.change(unit, clean=1, cached=-1, left=self._cached_at[block_id])
+        else:
+            self.units.change(unit, clean=1)
         self._clean += 1
-        self.units.cleaned(unit, 1)
+        self._push_clean(block_id)
+        self.changed = True
+
+    def _push_clean(self, block_id: int) -> None:
         heapq.heappush(self._heap, block_id)
         if len(self._heap) > 4 * self._clean + 1024:
             self._heap = [i for i in set(self._heap) if self._state[i] == _CLEAN]
             heapq.heapify(self._heap)
-        self.changed = True
 
     def _to_cached(self, block_id: int) -> None:
-        unit = block_id // self.blocks_per_unit
-        if self._state[block_id] == _CLEAN:
-            self._clean -= 1
-            self._state[block_id] = _CACHED
-            self.units.cleaned(unit, -1)
-        elif self._state[block_id] == _CACHED:
-            self._uncache(block_id)
-            self.units.uncached(unit, self._cached_at[block_id])
+        unit, state = block_id // self.blocks_per_unit, self._state[block_id]
         self._state[block_id] = _CACHED
-        self._lru[block_id] = None
         self._tick += 1
         self._cached_at[block_id] = self._tick
-        self.units.cached(unit, self._tick)
+        if state == _CLEAN:
+            self._clean -= 1
+            self.units.change(unit, clean=-1, cached=1, tick=self._tick)
+        elif state == _CACHED:  # appended again: the newest now
+            del self._lru[block_id]
+            self.units.change(unit, tick=self._tick)
+        else:
+            self.units.change(unit, cached=1, tick=self._tick)
+        self._lru[block_id] = None
         self.changed = True
-
-    def _unit_size(self, unit: int) -> int:
-        return min(self.blocks_per_unit, len(self._blocks) - unit * self.blocks_per_unit)
 
     def _newest_cached(self, unit: int) -> int:
         """The tick of ``unit``'s newest cached block (it has one)."""
@@ -209,14 +208,25 @@ class PackedFreeQueue:
         """Whether every block of ``unit`` is free (cached or not)."""
         return self.units.holds_no_request(unit)
 
-    def forget(self, block_id: int) -> None:
-        """A cached block lost its hash: it is free and clean now."""
-        self._to_clean(block_id)
+    def forget(self, unit: int, block_ids: list[int]) -> None:
+        """Cached blocks of ``unit`` lost their hash: they are free and
+        clean now (one change of the unit, however many)."""
+        for block_id in block_ids:
+            del self._lru[block_id]
+            self._state[block_id] = _CLEAN
+            self._push_clean(block_id)
+        count = len(block_ids)
+        self._clean += count
+        self.units.change(unit, clean=count, cached=-count, left=self.units.newest(unit))
+        self.changed = True
 
     def forget_all(self) -> None:
         """Every cached block lost its hash (the prefix cache was reset)."""
-        for block_id in list(self._lru):
-            self._to_clean(block_id)
+        by_unit: dict[int, list[int]] = {}
+        for block_id in self._lru:
+            by_unit.setdefault(block_id // self.blocks_per_unit, []).append(block_id)
+        for unit, block_ids in by_unit.items():
+            self.forget(unit, block_ids)
 
     def unit_blocks(self, unit: int) -> range:
         per = self.blocks_per_unit
@@ -226,19 +236,39 @@ class PackedFreeQueue:
         """Whether every block of ``unit`` is free without a hash."""
         return self.units.is_empty(unit)
 
-    def hide(self, unit: int) -> None:
-        """Take an empty unit's blocks out of circulation."""
-        hidden = 0
-        for block_id in self.unit_blocks(unit):
-            if self._state[block_id] == _CLEAN:
-                self._state[block_id] = _HIDDEN
-                hidden += 1
-        self._clean -= hidden
-        self.units.cleaned(unit, -hidden)
+    def _blocks_of(self, start: int, end: int) -> tuple[int, int]:
+        """The block ids ``[first, last)`` of units ``[start, end)``."""
+        per = self.blocks_per_unit
+        return start * per, min(end * per, len(self._blocks))
+
+    def hide(self, start: int, end: int) -> None:
+        """Take empty units ``[start, end)`` out of circulation (their
+        blocks are all free without a hash: one slice, not a block at a time)."""
+        first, last = self._blocks_of(start, end)
+        state = self._state
+        if state.count(_CLEAN, first, last) != last - first:
+            raise AssertionError(f"units [{start}, {end}) are not empty")
+        state[first:last] = bytes([_HIDDEN]) * (last - first)
+        self._clean -= last - first
+        self.units.circulating(start, end, empty=False)
         self.changed = True
 
-    def reveal(self, unit: int) -> None:
-        """Put a hidden unit's blocks into circulation."""
-        for block_id in self.unit_blocks(unit):
-            if self._state[block_id] == _HIDDEN:
-                self._to_clean(block_id)
+    def reveal(self, start: int, end: int) -> None:
+        """Put hidden units ``[start, end)``'s blocks into circulation."""
+        first, last = self._blocks_of(start, end)
+        state = self._state
+        if state.count(_HIDDEN, first, last) != last - first:  # unit 0: the null block
+            for block_id in range(first, last):
+                if state[block_id] == _HIDDEN:
+                    self._to_clean(block_id)
+            return
+        state[first:last] = bytes([_CLEAN]) * (last - first)
+        self._clean += last - first
+        if 4 * (last - first) > len(self._heap):
+            self._heap.extend(range(first, last))
+            heapq.heapify(self._heap)
+        else:
+            for block_id in range(first, last):
+                heapq.heappush(self._heap, block_id)
+        self.units.circulating(start, end, empty=True)
+        self.changed = True
