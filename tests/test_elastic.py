@@ -11,7 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extensible_kv import DriverError, FaultInjectingDriver, StatisticsDriver, get_driver
+from extensible_kv import (
+    DriverError,
+    FaultInjectingDriver,
+    PoolingDriver,
+    StatisticsDriver,
+    get_driver,
+)
 from extensible_kv.driver import Driver
 from extensible_kv.integrations.vllm_state import kv_state
 from extensible_kv.kv import KVCacheBuffers, SleepState
@@ -359,3 +365,31 @@ def test_what_would_lose_held_units_is_refused_and_changes_nothing(
     )
     assert elastic.held_units == ((0, 1), (10, 12))
     assert reads(cache, 41) == {5}
+
+
+def test_units_given_back_while_kept_idle_serve_the_next_commit_without_a_create(
+    stats: StatisticsDriver, device: str
+) -> None:
+    """Over a PoolingDriver, orders that keep memory idle leave the handles
+    of units given back in the pool, and the next commit creates none;
+    orders that do not give every idle byte back to the driver."""
+    granule = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=64 * granule)
+    cache = elastic_cache(device, pool)
+    try:
+        elastic = ElasticBlocks(cache, CAPACITY)
+        elastic.start()
+        elastic.apply(ElasticOrders(1, 4, held=((0, 1),), wanted=((8, 16),), keep_idle=True))
+        held = cache.physical_bytes
+        elastic.apply(ElasticOrders(2, 4, held=((0, 1),), keep_idle=True))
+        assert cache.physical_bytes < held
+        assert stats.live.handles * granule == held  # the handles wait, idle
+        creates = stats.calls["create"].calls
+        elastic.apply(ElasticOrders(3, 4, held=((0, 1), (8, 16)), keep_idle=True))
+        assert stats.calls["create"].calls == creates  # served from the pool
+        assert reads(cache, 40) == {0}  # reused memory reads zero all the same
+        elastic.apply(ElasticOrders(4, 4, held=((0, 1),)))  # keep_idle False
+        assert stats.live.handles * granule == cache.physical_bytes
+    finally:
+        cache.free()
+        pool.drain()

@@ -35,7 +35,15 @@ def _check_driver_calls(calls: dict[str, Any], units: int, segments: int) -> Non
     assert commit["calls"]["map"] > 0
     assert release["calls"]["unmap"] > 0
     assert release["calls"]["release"] > 0
-    for figures in (commit, release):
+    pooled_commit, pooled_release = calls["commit_pooled"], calls["release_pooled"]
+    # Handles kept idle serve the next commit: it creates none, and the
+    # release that keeps them idle releases none (a statement of behaviour,
+    # not of speed).
+    assert pooled_commit["calls"]["create"] == 0
+    assert pooled_commit["calls"]["map"] == commit["calls"]["map"]
+    assert pooled_release["calls"]["release"] == 0
+    assert pooled_release["calls"]["unmap"] == release["calls"]["unmap"]
+    for figures in (commit, release, pooled_commit, pooled_release):
         assert figures["total_calls"] == sum(figures["calls"].values())
         _ordered(figures["seconds"])
 
@@ -49,7 +57,7 @@ def test_without_vllm_the_suite_says_why_and_still_counts_a_bursts_driver_calls(
     assert results["skipped"] == "vLLM is not installed"
     _check_driver_calls(results["driver_calls"], 256, 4)
     tables = scheduler_tables(results)
-    assert [table.row_count for table in tables] == [1, 2]
+    assert [table.row_count for table in tables] == [1, 4]
     assert "scheduler: skipped (vLLM is not installed)" in scheduler.markdown(results)
 
 
@@ -83,7 +91,7 @@ def test_the_quick_suite_runs_every_mode_scale_and_trace(tmp_path: Path) -> None
         len(names) * len(scheduler.MODES) + len(scheduler.MODES),  # each burst run, each goal
         len(saved["profile"]["top"]),
         len(saved["profile"]["ours"]),
-        2,
+        4,  # commit and release, new handles and pooled ones
     ]
 
 

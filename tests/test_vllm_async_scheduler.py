@@ -61,7 +61,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from extensible_kv import ExtensibleTensor, KVCacheBuffers
 from extensible_kv.demo.tiny_models import save_tiny_model
-from extensible_kv.integrations.vllm_elastic import ElasticSteps
+from extensible_kv.integrations.vllm_elastic import ElasticSteps, elastic_driver, pool_bytes
 from extensible_kv.integrations.vllm_scheduler import (
     ExtensibleKVAsyncScheduler,
     ExtensibleKVScheduler,
@@ -396,3 +396,28 @@ def test_elastic_scheduling_under_a_batch_queue(model: str) -> None:
     run_state_machine_as_test(
         ElasticUnderABatchQueue, settings=settings(max_examples=100, stateful_step_count=50)
     )
+
+
+def test_a_gpu_workers_pool_keeps_one_steps_units_and_the_host_has_none() -> None:
+    """The handles an elastic worker may keep idle while its engine runs:
+    one step's blocks in every segment, rounded out to whole granules
+    (and one for the ends); on the host, no pool (creating costs nothing
+    there but the mapping)."""
+    page = SPEC.page_size_bytes  # one layer-outermost segment, 256 KiB a block
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=NUM_BLOCKS * page,
+                layers=["layer.0"],
+                layer_stride=NUM_BLOCKS * page,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], SPEC)],
+    )
+    granule = 2 << 20
+    # 96 tokens a step: 6 blocks of 256 KiB, 1.5 MiB: a granule, and one more.
+    assert pool_bytes(config, 96, granule) == 2 * granule
+    assert pool_bytes(config, 16 * 64, granule) == (8 + 1) * granule
+    assert elastic_driver(torch.device("cpu"), config, 96) is None

@@ -399,3 +399,26 @@ def test_at_thirty_thousand_units_the_load_falls_in_bounded_steps() -> None:
     assert worker.held == committed
     assert committed == {0} | {b.block_id for b in pool.blocks if b.block_hash is not None}
     assert plan.queue.num_cached == cache
+
+
+def test_workers_keep_memory_idle_only_while_the_engine_runs_and_no_one_wants_it() -> None:
+    """keep_idle goes with a step's blocks ahead: on while requests run,
+    off once idle, once other processes want memory (a step that gives),
+    or once a budget refused; orders go out when it changes alone."""
+    plan, worker = granted_plan(20, 16)
+    orders = plan.plan(20, ahead_blocks=16)
+    assert orders is None  # nothing changed: still kept
+    assert plan.keeps_idle
+    orders = plan.plan(20, give_blocks=8, ahead_blocks=16)  # another process wants
+    assert orders is not None
+    assert not orders.keep_idle
+    plan.confirm(orders, worker.apply(orders))
+    orders = plan.plan(20, ahead_blocks=16)
+    assert orders is not None
+    assert orders.keep_idle
+    plan.confirm(orders, worker.apply(orders))
+    orders = plan.plan(0)  # idle
+    assert orders is not None
+    assert not orders.keep_idle
+    plan.confirm(orders, worker.apply(orders))
+    assert not plan.keeps_idle

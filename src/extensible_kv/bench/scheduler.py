@@ -743,33 +743,39 @@ def driver_calls(units: int, segments: int, repeats: int, device: str = "cpu") -
     (each block :data:`HALF_PAGE_BYTES` in each of ``segments`` segments:
     a layer's K or V) and giving them back, ``repeats`` times, on
     ``device``'s backend under a ``StatisticsDriver``: the calls of each
-    (from the first repeat) and seconds, min/median/max."""
-    from extensible_kv.driver import StatisticsDriver, backend
-    from extensible_kv.kv import KVCacheBuffers
-    from extensible_kv.kv.elastic import ElasticBlocks
-    from extensible_kv.tensor import ExtensibleTensor
+    (from the first repeat) and seconds, min/median/max; then the same
+    under a ``PoolingDriver`` with orders that keep memory idle (as while
+    an engine runs), the handles of the units given back serving the next
+    commit."""
+    from extensible_kv.driver import PoolingDriver, StatisticsDriver, backend
 
     inner = backend(device)
     stats = StatisticsDriver(inner)
     granule = stats.granularity(0, False)
-    capacity = units + granule // HALF_PAGE_BYTES
-    tensor = ExtensibleTensor(
-        capacity * HALF_PAGE_BYTES * segments,
-        device,
-        num_segments=segments,
-        driver=stats,
-        chunk_bytes=granule,
-    )
-    cache = KVCacheBuffers([(tensor, HALF_PAGE_BYTES)], capacity)
+    on = torch.device(device)
+    figures: dict[str, Any] = {}
+    cache, burst = _burst_cache(stats, units, segments, device, keep_idle=False)
     try:
-        burst = _Burst(ElasticBlocks(cache, capacity), units)
-        on = torch.device(device)
-        figures = {"commit": _counted(stats, on, burst.commit, repeats, burst.give_back)}
+        figures["commit"] = _counted(stats, on, burst.commit, repeats, burst.give_back)
         figures["release"] = _counted(
             stats, on, burst.give_back, repeats, burst.commit, before=True
         )
     finally:
         cache.free()
+    # Per segment, the granules the burst spans and one for its ends.
+    per_segment = -(-units * HALF_PAGE_BYTES // granule) + 1
+    pool = PoolingDriver(stats, cap_bytes=per_segment * granule * segments)
+    cache, burst = _burst_cache(pool, units, segments, device, keep_idle=True)
+    try:
+        burst.commit()
+        burst.give_back()  # the pool holds the burst's handles now
+        figures["commit_pooled"] = _counted(stats, on, burst.commit, repeats, burst.give_back)
+        figures["release_pooled"] = _counted(
+            stats, on, burst.give_back, repeats, burst.commit, before=True
+        )
+    finally:
+        cache.free()
+        pool.drain()
     return {
         "units": units,
         "segments": segments,
@@ -780,13 +786,37 @@ def driver_calls(units: int, segments: int, repeats: int, device: str = "cpu") -
     }
 
 
+def _burst_cache(
+    driver: Any, units: int, segments: int, device: str, *, keep_idle: bool
+) -> tuple[Any, _Burst]:
+    """An elastic cache of ``units`` one-block units over ``segments``
+    segments on ``driver``, and its burst."""
+    from extensible_kv.kv import KVCacheBuffers
+    from extensible_kv.kv.elastic import ElasticBlocks
+    from extensible_kv.tensor import ExtensibleTensor
+
+    granule = driver.granularity(0, False)
+    capacity = units + granule // HALF_PAGE_BYTES
+    tensor = ExtensibleTensor(
+        capacity * HALF_PAGE_BYTES * segments,
+        device,
+        num_segments=segments,
+        driver=driver,
+        chunk_bytes=granule,
+    )
+    cache = KVCacheBuffers([(tensor, HALF_PAGE_BYTES)], capacity)
+    return cache, _Burst(ElasticBlocks(cache, capacity), units, keep_idle)
+
+
 class _Burst:
     """Units ``[1, units]`` of ``blocks`` (one block each) committed at once
-    and given back, as a worker applies the scheduler's orders."""
+    and given back, as a worker applies the scheduler's orders (which keep
+    memory idle or not)."""
 
-    def __init__(self, blocks: Any, units: int) -> None:
+    def __init__(self, blocks: Any, units: int, keep_idle: bool) -> None:
         self.blocks = blocks
         self.units = units
+        self.keep_idle = keep_idle
         self.seq = itertools.count(1)
         blocks.start()
 
@@ -794,12 +824,18 @@ class _Burst:
         from extensible_kv.kv.elastic import ElasticOrders
 
         wanted = ((1, self.units + 1),)
-        self.blocks.apply(ElasticOrders(next(self.seq), 1, held=((0, 1),), wanted=wanted))
+        self.blocks.apply(
+            ElasticOrders(
+                next(self.seq), 1, held=((0, 1),), wanted=wanted, keep_idle=self.keep_idle
+            )
+        )
 
     def give_back(self) -> None:
         from extensible_kv.kv.elastic import ElasticOrders
 
-        self.blocks.apply(ElasticOrders(next(self.seq), 1, held=((0, 1),)))
+        self.blocks.apply(
+            ElasticOrders(next(self.seq), 1, held=((0, 1),), keep_idle=self.keep_idle)
+        )
 
 
 #: The calls a commit and a release make, counted.
@@ -943,12 +979,20 @@ def driver_rows(calls: dict[str, Any]) -> list[list[str]]:
     """The burst's driver calls, header first: each counted call, the total
     and the time (ms, median [min-max])."""
     out = [["what", *COUNTED, "all", "ms: median [min-max]"]]
-    for what in ("commit", "release"):
+    labels = {
+        "commit": "commit",
+        "release": "release",
+        "commit_pooled": "commit, handles from the pool (an engine running)",
+        "release_pooled": "release, handles kept idle (an engine running)",
+    }
+    for what, label in labels.items():
+        if what not in calls:
+            continue
         figures = calls[what]
         s = figures["seconds"]
         out.append(
             [
-                what,
+                label,
                 *(str(figures["calls"][name]) for name in COUNTED),
                 str(figures["total_calls"]),
                 f"{_ms(s['median'])} [{_ms(s['min'])}-{_ms(s['max'])}]",

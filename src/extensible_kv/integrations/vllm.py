@@ -70,7 +70,7 @@ from extensible_kv.integrations import (  # noqa: E402
 )
 from extensible_kv.integrations.vllm_budget import set_floor_and_cap  # noqa: E402
 from extensible_kv.integrations.vllm_client import client_pid, watch_client  # noqa: E402
-from extensible_kv.integrations.vllm_elastic import ElasticSteps  # noqa: E402
+from extensible_kv.integrations.vllm_elastic import ElasticSteps, elastic_driver  # noqa: E402
 from extensible_kv.integrations.vllm_handover import HandOver  # noqa: E402
 from extensible_kv.integrations.vllm_options import GROWTH_MODES, OPTIONS, options_of  # noqa: E402
 from extensible_kv.integrations.vllm_scheduler import ExtensibleKVScheduler  # noqa: E402
@@ -205,12 +205,15 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         runner_config = vllm_commit.for_runner(layout, num_blocks)
         set_floor_and_cap(self.device, self._options())
         vllm_connectors.check_connector_pool(self.vllm_config, runner_config)
+        elastic = self._growth_mode() == "elastic"
+        step_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
         kv = allocate_kv_cache(
             layout,
             device=self.device,
             shareable=self._has_connector(),
+            driver=elastic_driver(self.device, layout, step_tokens) if elastic else None,
             # Elastic memory gives single granules back: one chunk each.
-            chunk_bytes=granule_size(self.device) if self._growth_mode() == "elastic" else None,
+            chunk_bytes=granule_size(self.device) if elastic else None,
         )
         try:
             self._kv, self._layout = kv, layout

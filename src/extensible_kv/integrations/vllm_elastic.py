@@ -16,11 +16,39 @@ from typing import Any
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
-from extensible_kv.devices import without_wants
+from extensible_kv.devices import get_driver, without_wants
+from extensible_kv.driver import Driver, PoolingDriver
 from extensible_kv.integrations.vllm_steps import scheduled_block_ids
 from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport
+from extensible_kv.kv.strided import segmentation
 
-__all__ = ["ElasticSteps"]
+__all__ = ["ElasticSteps", "elastic_driver", "pool_bytes"]
+
+
+def elastic_driver(device: torch.device, kv_cache_config: Any, step_tokens: int) -> Driver | None:
+    """The driver stack of an elastic KV cache on ``device``: on a GPU, the
+    default one under a :class:`~extensible_kv.PoolingDriver` that keeps
+    the handles of one step's units (:func:`pool_bytes`) given back while
+    the engine runs, so that the next commits create none (the orders say
+    when to give them back: :attr:`ElasticOrders.keep_idle`); None on the
+    host, where creating memory costs nothing apart from mapping it."""
+    if device.type == "cpu":
+        return None
+    inner = get_driver(device)
+    granule = inner.granularity(device.index or 0, False)
+    return PoolingDriver(inner, cap_bytes=pool_bytes(kv_cache_config, step_tokens, granule))
+
+
+def pool_bytes(kv_cache_config: Any, step_tokens: int, granule: int) -> int:
+    """Bytes of the handles one step's blocks (``step_tokens``, vLLM's token
+    budget of a step) take in the cache ``kv_cache_config`` describes: in
+    each segment, the ``granule``-byte handles they span, and one more for
+    the ends."""
+    layout = segmentation(kv_cache_config)
+    block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    step_blocks = -(-step_tokens // block_size)
+    granules = -(-step_blocks * layout.row_bytes // granule) + 1
+    return layout.num_segments * granules * granule
 
 
 class ElasticSteps:

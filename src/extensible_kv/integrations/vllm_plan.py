@@ -73,6 +73,8 @@ class ElasticPlan:
         self._pending = IntervalSet()
         self._sent_held: UnitRanges = ()  # the first plan sends
         self._sent_use = (0, 0)
+        #: Whether the last orders let the workers keep memory idle.
+        self.keeps_idle = False
         self._seq = 0
         self._retry_at = 0.0
         self._held_cache: UnitRanges | None = None
@@ -119,6 +121,10 @@ class ElasticPlan:
         # for their units (a step's time on every first token but the first).
         if give_blocks or self._refused_recently():
             ahead_blocks = 0
+        # Handles of units given back may wait idle for the next commits
+        # (a burst then creates none) only while the engine runs and no one
+        # else wants memory: idle, they would hold what should go back.
+        keep_idle = ahead_blocks > 0
         # The prefix cache is not spent on new blocks while memory can
         # still be committed: a burst waits a step for its units instead.
         # Once the budget refuses, the engine lends its own cache before it
@@ -144,11 +150,18 @@ class ElasticPlan:
         wanted = tuple(self._pending)
         held = self._held_ranges()
         use = (self.held_blocks - queue.num_clean - queue.num_cached, queue.num_cached)
-        if not wanted and held == self._sent_held and use == self._sent_use:
+        if (
+            not wanted
+            and held == self._sent_held
+            and use == self._sent_use
+            and keep_idle == self.keeps_idle
+        ):
             return None
         self._seq += 1
-        self._sent_held, self._sent_use = held, use
-        return ElasticOrders(self._seq, self.blocks_per_unit, held, wanted, *use, ask)
+        self._sent_held, self._sent_use, self.keeps_idle = held, use, keep_idle
+        return ElasticOrders(
+            self._seq, self.blocks_per_unit, held, wanted, *use, ask, keep_idle=keep_idle
+        )
 
     # -- the prefix cache ---------------------------------------------------------
 

@@ -163,13 +163,14 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
     def has_requests(self) -> bool:
         """vLLM's answer; with elastic growth also true while orders wait
         to go out, or while another process wants memory this engine holds
-        idle (a step gives it back)."""
+        idle, in units or in handles its workers keep (a step gives it back)."""
         if super().has_requests():
             return True
         elastic = self._elastic
         if elastic is None:
             return False
-        return elastic.needs_step() or (self._pressure.blocks_wanted() > 0 and elastic.can_give())
+        wanted = self._pressure.blocks_wanted() > 0
+        return elastic.needs_step() or (wanted and (elastic.can_give() or elastic.keeps_idle))
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         if self._elastic is None:

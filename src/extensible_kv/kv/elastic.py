@@ -75,6 +75,11 @@ class ElasticOrders:
             processes on the device to give memory back (posts a want in
             its budget); False while the engine's own prefix cache can
             still lend what the step lacks.
+        keep_idle: whether the memory of units given back may stay idle in
+            the buffers' driver stack for the next commits (a
+            :class:`~extensible_kv.PoolingDriver` keeps their handles, so a
+            burst creates none); False gives every idle byte back (the
+            engine idle, another process wanting memory, a budget refused).
     """
 
     seq: int
@@ -84,6 +89,7 @@ class ElasticOrders:
     in_use_blocks: int = 0
     cached_blocks: int = 0
     ask_others: bool = True
+    keep_idle: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,7 @@ class ElasticBlocks:
         ):
             # Held already (orders go out whenever the blocks in use change):
             # nothing to map, and no walk of every unit held.
+            self._keep_idle(orders.keep_idle)
             return ElasticReport(orders.seq, 0)
         if orders.blocks_per_unit != self.blocks_per_unit:
             self._rebase(orders.blocks_per_unit)
@@ -243,7 +250,17 @@ class ElasticBlocks:
                 break
             granted += end - start
         self.high_water = max(self.high_water, self.num_blocks_held)
+        self._keep_idle(orders.keep_idle)
         return ElasticReport(orders.seq, granted)
+
+    def _keep_idle(self, keep: bool) -> None:
+        """Unless ``keep``, give the memory the buffers' driver stacks keep
+        idle back to the driver (a pool's handles of units given back)."""
+        if keep:
+            return
+        drivers = {id(t.buffer.driver): t.buffer.driver for t, _ in self.buffers.tensors}
+        for driver in drivers.values():
+            driver.release_idle()
 
     def _commit_each(self, units: range) -> int:
         """Commit ``units`` one by one until one is refused; how many were."""
