@@ -76,9 +76,9 @@ class ElasticOrders:
             its budget); False while the engine's own prefix cache can
             still lend what the step lacks.
         keep_idle: whether the memory of units given back may stay idle in
-            the buffers' driver stack for the next commits (a
-            :class:`~extensible_kv.PoolingDriver` keeps their handles, so a
-            burst creates none); False gives every idle byte back (the
+            the buffers' driver stack for the next commits (a driver that
+            keeps handles idle hands them to the next commit, so a burst
+            creates none); False gives every idle byte back (the
             engine idle, another process wanting memory, a budget refused).
     """
 
