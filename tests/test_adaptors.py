@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from extensible_kv.devices import BudgetDriver, get_driver
 from extensible_kv.driver import (
     DRIVER_CALLS,
-    BudgetDriver,
     Driver,
     DriverError,
     FaultInjectingDriver,
@@ -18,7 +18,6 @@ from extensible_kv.driver import (
     PoolingDriver,
     StatisticsDriver,
     backend,
-    get_driver,
 )
 
 
@@ -146,9 +145,9 @@ def test_the_adaptor_calls_reach_the_adaptor_that_reads_them_through_any_stack(
     assert pool.idle_bytes == 3 * g
     assert stack.accounting(0) == (host.device_uuid(0), str(tmp_path))
     budget.ledger(0).set_limit(4 * g)
-    with stack.reserving(0, 3 * g):
+    with stack.holding(0, 3 * g):
         assert budget.ledger(0).held == 3 * g, "the idle handles serve it: nothing more held"
-    with stack.reserving(0, 4 * g):
+    with stack.holding(0, 4 * g):
         assert budget.ledger(0).held == 4 * g, "what they do not serve is claimed"
     assert budget.ledger(0).held == 3 * g
     assert stack.release_idle() == 3 * g

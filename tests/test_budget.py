@@ -38,7 +38,8 @@ from extensible_kv.budget import (
 )
 from extensible_kv.budget.publish import publisher
 from extensible_kv.cli import main
-from extensible_kv.driver import Driver, DriverAdaptor, backend, get_driver
+from extensible_kv.devices import get_driver
+from extensible_kv.driver import Driver, DriverAdaptor, backend
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -172,12 +173,12 @@ def test_waiting_for_budget_waits_until_the_timeout(budget: BudgetDriver) -> Non
 def test_a_nested_block_claims_only_what_the_outer_one_lacks(budget: BudgetDriver) -> None:
     ledger = budget.ledger(0)
     ledger.set_limit(8 * MiB)
-    with budget.reserving(0, 2 * MiB):
-        with budget.reserving(0, 8 * MiB):  # fits only as the 6 MiB the outer lacks
+    with budget.holding(0, 2 * MiB):
+        with budget.holding(0, 8 * MiB):  # fits only as the 6 MiB the outer lacks
             assert ledger.held == 8 * MiB
             budget.release(budget.create(8 * MiB, 0, False))  # drawn on the account
             assert ledger.held == 8 * MiB
-        with budget.reserving(0, 4 * MiB):  # the outer holds 8 MiB already
+        with budget.holding(0, 4 * MiB):  # the outer holds 8 MiB already
             assert ledger.held == 8 * MiB
         assert ledger.held == 8 * MiB  # until the outermost block ends
     assert ledger.held == 0
@@ -187,8 +188,8 @@ def test_a_nested_blocks_credit_ends_with_the_block(budget: BudgetDriver) -> Non
     ledger = budget.ledger(0)
     ledger.set_limit(8 * MiB)
     full = budget.create(8 * MiB, 0, False)
-    with budget.reserving(0, 0):
-        with budget.reserving(0, 0, credit=2 * MiB):
+    with budget.holding(0, 0):
+        with budget.holding(0, 0, credit=2 * MiB):
             pass
         with pytest.raises(BudgetExceededError):
             budget.create(2 * MiB, 0, False)
@@ -221,7 +222,7 @@ def test_a_hold_must_be_whole_bytes(
     ledger = budget.ledger(0)
     ledger.set_limit(limit)
     held = budget.create(4 * MiB, 0, False)
-    with pytest.raises(error, match=message), budget.reserving(0, size, credit=credit):  # type: ignore[arg-type]
+    with pytest.raises(error, match=message), budget.holding(0, size, credit=credit):  # type: ignore[arg-type]
         pass
     assert (ledger.held, ledger.read().claimed_bytes) == (4 * MiB, 4 * MiB)
     with pytest.raises(BudgetExceededError) if limit else contextlib.nullcontext():

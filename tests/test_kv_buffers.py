@@ -95,7 +95,7 @@ def test_sleep_and_wake(stats: StatisticsDriver, device: str) -> None:
     for view in views:
         view[:100].fill_(7)
     cache.release_physical()
-    assert cache.released
+    assert cache.asleep
     assert cache.physical_bytes == 0
     assert cache.num_blocks_committed == 0
     assert stats.live.handles == 0
@@ -103,7 +103,7 @@ def test_sleep_and_wake(stats: StatisticsDriver, device: str) -> None:
     with pytest.raises(ValueError, match="released"):
         cache.trim(0)
     cache.recommit()
-    assert not cache.released
+    assert not cache.asleep
     assert cache.num_blocks_committed == 20
     assert [buffer.base_ptr for buffer, _ in cache.buffers] == bases
     for view in views:
@@ -119,11 +119,11 @@ def test_the_state_names_each_step_of_the_sleep_cycle(stats: StatisticsDriver, d
     cache.commit(20)
     assert cache.state is SleepState.AWAKE
     cache.release_physical(preserve=True)
-    assert (cache.state, cache.released) == (SleepState.ASLEEP_PRESERVED, True)
+    assert (cache.state, cache.asleep) == (SleepState.ASLEEP_PRESERVED, True)
     cache.release_physical()
     assert cache.state is SleepState.ASLEEP_DISCARDED, "a discarding sleep drops the copy"
     cache.commit(4)
-    assert (cache.state, cache.released) == (SleepState.PARTLY_AWAKE, False)
+    assert (cache.state, cache.asleep) == (SleepState.PARTLY_AWAKE, False)
     assert cache.num_blocks_committed == 4
     cache.release_physical(preserve=True)
     assert cache.state is SleepState.ASLEEP_PRESERVED
@@ -307,7 +307,7 @@ def snapshot(cache: KVCacheBuffers, stats: StatisticsDriver, data: bool = True) 
                 for i in range(buffer.num_segments)
             )
         per_buffer.append((buffer.bytes_per_segment, buffer.physical_bytes, content))
-    return (cache.num_blocks_committed, cache.released, per_buffer, stats.live)
+    return (cache.num_blocks_committed, cache.asleep, per_buffer, stats.live)
 
 
 def filled(
@@ -461,7 +461,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def _commit_while_released(self, n: int, defragment: bool, fault: Fault) -> None:
         done = attempt(self.faulty, fault, lambda: self.cache.commit(n, defragment=defragment))
-        if self.cache.released:
+        if self.cache.asleep:
             assert not done
             return
         asleep_at, self.asleep_at = self.asleep_at, None
@@ -506,7 +506,7 @@ class KVMachine(RuleBasedStateMachine):
     def release(self, preserve: bool, fault: Fault) -> None:
         was_asleep = self.asleep_at is not None
         attempt(self.faulty, fault, lambda: self.cache.release_physical(preserve=preserve))
-        if not was_asleep and self.cache.released:
+        if not was_asleep and self.cache.asleep:
             self.asleep_at = self.committed
             self.committed = 0
             self.kept = dict(self.model) if preserve else None
@@ -519,7 +519,7 @@ class KVMachine(RuleBasedStateMachine):
         done = attempt(
             self.faulty, fault, lambda: self.cache.recommit(keep_host_memory=keep_host_memory)
         )
-        if self.asleep_at is not None and not self.cache.released:
+        if self.asleep_at is not None and not self.cache.asleep:
             self.committed, self.asleep_at = self.asleep_at, None
             if self.kept is None:
                 self._zero_blocks(0, self.committed)
@@ -567,7 +567,7 @@ class KVMachine(RuleBasedStateMachine):
     @invariant()
     def counts_match(self) -> None:
         assert self.cache.num_blocks_committed == self.committed
-        assert self.cache.released == (self.asleep_at is not None)
+        assert self.cache.asleep == (self.asleep_at is not None)
         for buffer, per_block in self.cache.buffers:
             assert buffer.bytes_per_segment == self.committed * per_block
         if self.asleep_at is not None:
@@ -669,7 +669,7 @@ ASLEEP_CALLS = {
     "trim": "cache.trim(2)",
     "defragment": "cache.defragment(preserve=True)",
     "defragment_discarding": "cache.defragment(preserve=False)",
-    "reserve_ahead": "cache.reserve_ahead(8).result()",
+    "create_ahead": "cache.create_ahead(8).result()",
     "release_physical": "cache.release_physical(preserve=True)",
     "narrowed_views": "kv.narrowed_views()",
 }

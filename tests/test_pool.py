@@ -25,7 +25,7 @@ from extensible_kv import (
     StatisticsDriver,
     get_driver,
 )
-from extensible_kv.driver import Driver, DriverAdaptor, DriverError, backend, drain_pools
+from extensible_kv.driver import Driver, DriverAdaptor, DriverError, backend
 from extensible_kv.kv import KVCacheBuffers
 from extensible_kv.share import receive_tensor, send_tensor
 
@@ -83,7 +83,7 @@ def test_reused_memory_is_zeroed_when_the_commit_asks(driver: Driver, device: st
     del full
     tensor.free()
     assert pool.idle_bytes == 4 * g, "free returns the memory to the pool"
-    drain_pools(pool)
+    pool.release_idle()
 
 
 def test_a_sleep_gives_every_byte_back_and_free_feeds_the_pool(stats: StatisticsDriver) -> None:
@@ -177,10 +177,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.fill(self.g, count)
 
     @rule(granules=st.integers(0, 6))
-    def reserve_ahead(self, granules: int) -> None:
+    def create_ahead(self, granules: int) -> None:
         missing = max(granules * self.g - self.tensor.bytes_per_segment, 0)
         room = self.pool.cap_bytes - self.pool.idle_bytes
-        added = self.tensor.reserve_ahead(granules * self.g).result(timeout=60)
+        added = self.tensor.create_ahead(granules * self.g).result(timeout=60)
         assert added == min(missing, room // self.g * self.g)
 
     @invariant()
@@ -228,7 +228,7 @@ def test_a_failing_create_in_a_fill_keeps_what_it_made(stats: StatisticsDriver) 
     pool.drain()
 
 
-def test_a_wake_after_reserve_ahead_creates_nothing(stats: StatisticsDriver) -> None:
+def test_a_wake_after_create_ahead_creates_nothing(stats: StatisticsDriver) -> None:
     """Reserved while asleep (on a thread of its own, which a GPU driver
     must give a context), the wake's handles all come from the pool."""
     g = stats.granularity(0, False)
@@ -237,14 +237,14 @@ def test_a_wake_after_reserve_ahead_creates_nothing(stats: StatisticsDriver) -> 
     cache = KVCacheBuffers([(t, g) for t in tensors], 8)
     cache.commit(6)
     cache.release_physical()
-    assert cache.reserve_ahead(6).result(timeout=60) == 3 * 6 * g
+    assert cache.create_ahead(6).result(timeout=60) == 3 * 6 * g
     assert stats.live.handles == 18, "the reserved memory is held, idle in the pool"
     creates = stats.calls["create"].calls
     cache.recommit()
     assert stats.calls["create"].calls == creates, "the wake only mapped"
     assert (pool.idle_bytes, cache.physical_bytes) == (0, 18 * g)
-    assert cache.reserve_ahead(8).result(timeout=60) == 3 * 2 * g, "only what growing adds"
-    assert cache.reserve_ahead(3).result(timeout=60) == 0, "not a growth: nothing to reserve"
+    assert cache.create_ahead(8).result(timeout=60) == 3 * 2 * g, "only what growing adds"
+    assert cache.create_ahead(3).result(timeout=60) == 0, "not a growth: nothing to reserve"
     creates = stats.calls["create"].calls
     cache.commit(8)
     assert stats.calls["create"].calls == creates
@@ -252,33 +252,33 @@ def test_a_wake_after_reserve_ahead_creates_nothing(stats: StatisticsDriver) -> 
     pool.drain()
 
 
-def test_reserve_ahead_stops_at_the_cap_and_the_growth_creates_the_rest(
+def test_create_ahead_stops_at_the_cap_and_the_growth_creates_the_rest(
     stats: StatisticsDriver,
 ) -> None:
     g = stats.granularity(0, False)
     pool = PoolingDriver(stats, cap_bytes=2 * g)
     tensor = ExtensibleTensor(5 * g, "cpu", driver=pool, chunk_bytes=g)
-    assert tensor.reserve_ahead(5 * g).result(timeout=60) == 2 * g
+    assert tensor.create_ahead(5 * g).result(timeout=60) == 2 * g
     tensor.resize_(5 * g)
     assert (pool.hits, pool.idle_bytes, tensor.physical_bytes) == (2, 0, 5 * g)
     tensor.free()
     pool.drain()
 
 
-def test_reserve_ahead_refuses_bad_requests_and_needs_a_pool(stats: StatisticsDriver) -> None:
+def test_create_ahead_refuses_bad_requests_and_needs_a_pool(stats: StatisticsDriver) -> None:
     g = stats.granularity(0, False)
     plain = ExtensibleTensor(2 * g, "cpu", driver=stats)
-    with pytest.raises(ValueError, match="reserve_ahead\\(\\) fills a PoolingDriver"):
-        plain.reserve_ahead(g)
+    with pytest.raises(ValueError, match="create_ahead\\(\\) fills a PoolingDriver"):
+        plain.create_ahead(g)
     plain.free()
     pool = PoolingDriver(stats)
     tensor = ExtensibleTensor(2 * g, "cpu", driver=pool)
     for bad, message in ((3 * g, "exceeds the segment capacity"), (-1, "non-negative")):
         with pytest.raises(ValueError, match=message):
-            tensor.reserve_ahead(bad)
+            tensor.create_ahead(bad)
     cache = KVCacheBuffers([(tensor, g)], 2)
-    with pytest.raises(ValueError, match="cannot reserve for 3 blocks; the capacity is 2"):
-        cache.reserve_ahead(3)
+    with pytest.raises(ValueError, match="cannot create ahead for 3 blocks; the capacity is 2"):
+        cache.create_ahead(3)
     assert stats.live.handles == 0, "a refused request creates nothing"
     cache.free()
 
@@ -292,7 +292,7 @@ def test_a_failing_create_while_reserving_surfaces_in_the_future(
     tensor = ExtensibleTensor(4 * g, "cpu", driver=pool, chunk_bytes=g)
     faulty.fail_at("create", nth=3)
     with pytest.raises(DriverError, match="injected"):
-        tensor.reserve_ahead(4 * g).result(timeout=60)
+        tensor.create_ahead(4 * g).result(timeout=60)
     assert pool.idle_handles == 2, "the handles made before the failure stay idle"
     tensor.resize_(4 * g)
     assert pool.hits == 2
@@ -442,7 +442,7 @@ def test_a_sleep_drains_shareable_and_plain_handles_alike(
 
 
 @pytest.mark.parametrize("chunk_granules", [None, 3])
-def test_reserve_ahead_creates_the_chunks_a_tensor_growth_maps(
+def test_create_ahead_creates_the_chunks_a_tensor_growth_maps(
     stats: StatisticsDriver, device: str, chunk_granules: int | None
 ) -> None:
     """Two segments grow from 1 to 7 granules each: one 6-granule chunk per
@@ -452,7 +452,7 @@ def test_reserve_ahead_creates_the_chunks_a_tensor_growth_maps(
     pool = PoolingDriver(stats, cap_bytes=64 * g)
     tensor = ExtensibleTensor(16 * g, device, num_segments=2, driver=pool, chunk_bytes=chunk)
     tensor.resize_per_segment_(g)
-    assert tensor.reserve_ahead(7 * g).result(timeout=60) == 2 * 6 * g
+    assert tensor.create_ahead(7 * g).result(timeout=60) == 2 * 6 * g
     creates = stats.calls["create"].calls
     tensor.resize_per_segment_(7 * g)
     assert stats.calls["create"].calls == creates, "the growth missed the pool"
@@ -463,7 +463,7 @@ def test_reserve_ahead_creates_the_chunks_a_tensor_growth_maps(
 
 
 @pytest.mark.parametrize("chunk_granules", [None, 2])
-def test_reserve_ahead_creates_the_chunks_a_cache_wake_maps(
+def test_create_ahead_creates_the_chunks_a_cache_wake_maps(
     stats: StatisticsDriver, device: str, chunk_granules: int | None
 ) -> None:
     """Two buffers of 6 one-granule blocks wake from a discarding sleep:
@@ -475,7 +475,7 @@ def test_reserve_ahead_creates_the_chunks_a_cache_wake_maps(
     cache = KVCacheBuffers([(t, g) for t in tensors], 8)
     cache.commit(6)
     cache.release_physical()
-    assert cache.reserve_ahead(6).result(timeout=60) == 2 * 6 * g
+    assert cache.create_ahead(6).result(timeout=60) == 2 * 6 * g
     creates = stats.calls["create"].calls
     cache.recommit()
     assert stats.calls["create"].calls == creates, "the wake missed the pool"
@@ -545,20 +545,20 @@ def test_a_bad_hold_is_refused_before_the_pool_counts_it(
     is not quietly read as nothing."""
     pool = PoolingDriver(get_driver("cpu"))
     with pytest.raises((TypeError, ValueError), match=message):
-        pool.reserving(0, size, credit=credit)
+        pool.holding(0, size, credit=credit)
 
 
 def test_a_sleep_gives_back_what_a_fill_in_flight_creates(
     stats: StatisticsDriver, device: str
 ) -> None:
-    """A reserve_ahead still creating when the cache sleeps: the sleep
+    """A create_ahead still creating when the cache sleeps: the sleep
     stops it and waits for its create in flight, so no memory is left in
     the pool (or anywhere) once the sleep has returned."""
     g = stats.granularity(0, False)
     gate = GateDriver(stats, "create")
     pool = PoolingDriver(gate, cap_bytes=16 * g)
     tensor = ExtensibleTensor(16 * g, device, driver=pool, chunk_bytes=g)
-    reserving = tensor.reserve_ahead(8 * g)  # its first create waits at the gate
+    reserving = tensor.create_ahead(8 * g)  # its first create waits at the gate
     assert gate.entered.wait(10), "the fill never reached the driver"
     sleeping = threading.Thread(target=tensor.release_physical)
     sleeping.start()
@@ -577,7 +577,7 @@ def test_a_sleep_gives_back_what_a_fill_in_flight_creates(
 def test_a_commit_a_pool_over_a_full_budget_cannot_serve_is_refused_holding_nothing(
     tmp_path: Path,
 ) -> None:
-    """The commit holds its memory up front (the protocol's ``reserving``),
+    """The commit holds its memory up front (the protocol's ``holding``),
     through the pool: refused before any handle is made, none left idle."""
     budget = BudgetDriver(backend("cpu"), state_dir=tmp_path)
     stats = StatisticsDriver(budget)
@@ -609,5 +609,17 @@ def test_what_a_pool_keeps_idle_serves_a_commit_under_a_full_budget(tmp_path: Pa
         tensor.resize_(4 * g)
     assert tensor.physical_bytes == 3 * g
     tensor.free()  # into the pool: only a sleep or a drain gives idle memory back
-    assert drain_pools(pool) == 3 * g
+    assert pool.release_idle() == 3 * g
     assert budget.ledger(0).held == 0
+
+
+def test_reserve_ahead_stays_the_old_name_of_create_ahead(stats: StatisticsDriver) -> None:
+    """docs/api.md's old names: code written against 0.1 keeps working."""
+    g = stats.granularity(0, False)
+    pool = PoolingDriver(stats, cap_bytes=8 * g)
+    tensor = ExtensibleTensor(4 * g, "cpu", driver=pool, chunk_bytes=g)
+    cache = KVCacheBuffers([(tensor, g)], 4)
+    assert cache.reserve_ahead(2).result(timeout=60) == 2 * g
+    assert tensor.reserve_ahead(3 * g).result(timeout=60) == 3 * g, "it counts no idle handle"
+    cache.free()
+    pool.release_idle()

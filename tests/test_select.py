@@ -8,13 +8,12 @@ import pytest
 import torch
 
 import extensible_kv
+from extensible_kv.devices import BudgetDriver, get_driver
 from extensible_kv.driver import (
     BackendUnavailableError,
-    BudgetDriver,
     DeviceSpec,
     HostDriver,
     backend,
-    get_driver,
     parse_device,
     unavailable_reason,
 )

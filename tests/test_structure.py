@@ -110,3 +110,61 @@ def test_no_module_reads_the_private_names_of_another_package() -> None:
             if owners and _package(name) not in owners:
                 found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     assert found == []
+
+
+def _room(name: str) -> str:
+    """The room a module is in: its top-level package or module
+    (``__init__`` for the package root)."""
+    return name.split("/")[0].removesuffix(".py")
+
+
+def _imported_rooms(text: str, rooms: set[str]) -> list[tuple[str, int]]:
+    """The rooms a module's source imports, with the line: every import,
+    also inside functions and under ``TYPE_CHECKING``."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [node.module]
+            if node.module == "extensible_kv":
+                targets = [f"extensible_kv.{a.name}" for a in node.names if a.name in rooms]
+                targets += ["extensible_kv.__init__"] * (len(targets) < len(node.names))
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            if parts[0] == "extensible_kv":
+                found.append((parts[1] if len(parts) > 1 else "__init__", node.lineno))
+    return found
+
+
+def room_imports() -> dict[str, dict[str, list[str]]]:
+    """Per room, the other rooms it imports, with where."""
+    sources = modules()
+    rooms = {_room(name) for name in sources}
+    edges: dict[str, dict[str, list[str]]] = {}
+    for name, text in sources.items():
+        for other, line in _imported_rooms(text, rooms):
+            if other != _room(name):
+                edges.setdefault(_room(name), {}).setdefault(other, []).append(f"{name}:{line}")
+    return edges
+
+
+def test_no_import_runs_back_up_between_rooms() -> None:
+    """docs/design.md: imports point downward only. The rooms (top-level
+    modules and packages) form no circle, counting imports inside functions
+    and type-only ones: every circle left is inside one package."""
+    edges = room_imports()
+    circles = []
+    for start in sorted(edges):
+        stack, seen = [(start, [start])], {start}
+        while stack:
+            room, path = stack.pop()
+            for other in edges.get(room, {}):
+                if other == start:
+                    circles.append(" -> ".join([*path, start]) + f" ({edges[room][other][0]})")
+                elif other not in seen:
+                    seen.add(other)
+                    stack.append((other, [*path, other]))
+    assert circles == []

@@ -4,14 +4,14 @@ never lost to another thread's commit.
 Four threads share one ``KVCacheBuffers`` over a ``PoolingDriver``. Reads
 and writes of committed blocks (each thread owns the blocks ``i`` with
 ``i % 4 == thread``), ``commit``, ``commit_async``, ``ensure_blocks`` and
-``reserve_ahead`` run under a shared lock; ``release_physical`` (both
+``create_ahead`` run under a shared lock; ``release_physical`` (both
 kinds), ``recommit``, ``trim`` and a preserving ``defragment`` under an
 exclusive one, as a runner stops its kernels for them. The model: each
 block a thread wrote holds its value until a discarding call (a
 discarding sleep, a trim below it) drops it.
 
 A sleep and its wake are separate steps, so commits wake the cache too,
-and ``reserve_ahead`` is not waited for: its fills run on while the other
+and ``create_ahead`` is not waited for: its fills run on while the other
 threads commit, sleep and wake, as an engine reserving during its weight
 reload leaves them. Before the pool's fix, such a fill racing a sleep's
 drain released a handle twice and left it idle: on the host the next
@@ -127,7 +127,7 @@ class Runner:
             lambda: self.cache.commit(n),
             lambda: self.cache.commit_async(n).result().wait(),
             lambda: self.cache.ensure_blocks(n),
-            lambda: self.fills.append(self.cache.reserve_ahead(n)),
+            lambda: self.fills.append(self.cache.create_ahead(n)),
         ]
         with self.lock.shared():
             rng.choice(steps)()

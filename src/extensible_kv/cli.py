@@ -32,11 +32,11 @@ from extensible_kv.budget import (
 from extensible_kv.budget.liveness import one_line
 from extensible_kv.budget.snapshot import device_type
 from extensible_kv.demo import FlowReport, FlowSettings, ModelConfig, run_flow, run_ranks
+from extensible_kv.devices import get_driver
 from extensible_kv.driver import (
     BackendUnavailableError,
     DriverError,
     backend,
-    get_driver,
     parse_device,
     unavailable_reason,
 )

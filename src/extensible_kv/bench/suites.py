@@ -256,7 +256,7 @@ def _per_allocation_sleep(device: torch.device, layers: int, layer_bytes: int) -
 
 def _sleep_reserved_ahead(device: torch.device, layers: int, layer_bytes: int) -> float:
     """Seconds of a preserving sleep and a wake whose memory was created
-    while asleep (``reserve_ahead``, as while an engine reloads weights):
+    while asleep (``create_ahead``, as while an engine reloads weights):
     the two calls on the engine's path, the reserve not counted."""
     total = layers * layer_bytes
     driver = PoolingDriver(get_driver(device), cap_bytes=total)
@@ -264,7 +264,7 @@ def _sleep_reserved_ahead(device: torch.device, layers: int, layer_bytes: int) -
     cache.release_physical(preserve=True)  # the first host copy, outside the timing
     cache.recommit(keep_host_memory=True)
     asleep = timed(lambda: cache.release_physical(preserve=True), device)
-    cache.reserve_ahead(cache.num_blocks_capacity).result()
+    cache.create_ahead(cache.num_blocks_capacity).result()
     awake = timed(lambda: cache.recommit(keep_host_memory=True), device)
     cache.free()
     driver.drain()
@@ -405,7 +405,7 @@ def _timed_wakes(cache: KVCacheBuffers, device: torch.device, repeats: int, ahea
     for _ in range(repeats):
         cache.release_physical()
         if ahead:
-            cache.reserve_ahead(cache.num_blocks_capacity).result()
+            cache.create_ahead(cache.num_blocks_capacity).result()
         times.append(timed(cache.recommit, device))
     return Stats.of(times)
 

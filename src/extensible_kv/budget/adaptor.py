@@ -12,8 +12,8 @@ memory. Imported handles claim nothing: their memory is the exporter's.
 ``get_driver`` (:mod:`extensible_kv.devices`) puts one under every backend
 it hands out. With no limit set on a device, a claim is a store into a
 shared mapping, with no lock and no system call. The layers above reach it
-only through the driver protocol: a piece of work's ``reserving`` block is
-an account here (:meth:`BudgetDriver.prepaid`).
+only through the driver protocol: a piece of work's ``holding`` block is
+an account here (:meth:`BudgetDriver.holding`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def waiting_for_budget(timeout_s: float) -> Iterator[None]:
     only then raises :class:`~extensible_kv.driver.BudgetExceededError`.
 
     Under a limit, a tensor's or KV cache's commit or wake claims its whole
-    size at once (:meth:`BudgetDriver.prepaid`), so it waits holding
+    size at once (:meth:`BudgetDriver.holding`), so it waits holding
     nothing; under a pool, what its idle handles will not serve.
 
     ``timeout_s`` is an int or a float, at least 0; ``float("inf")`` waits
@@ -84,6 +84,21 @@ def _claim(ledger: Ledger, size: int) -> None:
     ledger.claim(size, getattr(_waits, "timeout_s", 0.0), want=getattr(_waits, "want", True))
 
 
+def _draw(ledger: Ledger, account: _Account, lacking: int) -> None:
+    """Add ``lacking`` bytes to ``account``'s balance: claimed from
+    ``ledger``, or, if the limit refuses them and the account's credit
+    covers them, claimed without the limit's check, on that credit."""
+    if lacking > account.credit:
+        _claim(ledger, lacking)
+    else:
+        try:
+            ledger.claim(lacking, want=False)
+        except BudgetExceededError:
+            ledger.claim_unchecked(lacking)
+            account.credit -= lacking
+    account.balance += lacking
+
+
 def _check_hold(size: object, credit: object) -> None:
     """Refuse a hold of ``size`` and ``credit`` bytes that are not ints of 0
     to 2**48: a TypeError or ValueError naming the argument."""
@@ -93,7 +108,7 @@ def _check_hold(size: object, credit: object) -> None:
 
 @dataclass
 class _Account:
-    """One thread's open :meth:`BudgetDriver.prepaid` block on one device:
+    """One thread's open :meth:`BudgetDriver.holding` block on one device:
     bytes claimed and not yet drawn, and bytes it may still claim without
     the limit's check."""
 
@@ -150,29 +165,27 @@ class BudgetDriver(DriverAdaptor):
         ledger = self._ledgers.get(device)
         return None if ledger is None else (ledger.device, str(ledger.state_dir))
 
-    def reserving(
-        self, device: int, size: int, *, credit: int = 0
-    ) -> AbstractContextManager[object]:
+    def holding(self, device: int, size: int, *, credit: int = 0) -> AbstractContextManager[object]:
         """The protocol's hold for a piece of work: under a limit, an
-        account (:meth:`prepaid`); without one a claim can neither fail nor
+        account (:meth:`_account`); without one a claim can neither fail nor
         wait, so the creates claim one by one and the work costs no more.
         ``size`` and ``credit`` are bytes (ints, 0 to 2**48): anything else
         is refused before anything is held."""
         _check_hold(size, credit)
-        below = self.inner.reserving(device, size, credit=credit)
+        below = self.inner.holding(device, size, credit=credit)
         if not self.ledger(device).limited:
             return below
         stack = ExitStack()
         try:
             stack.enter_context(below)  # closed too if the claim is refused
-            stack.enter_context(self.prepaid(device, size, credit=credit))
+            stack.enter_context(self._account(device, size, credit=credit))
         except BaseException:
             stack.close()
             raise
         return stack
 
     @contextmanager
-    def prepaid(self, device: int, size: int, *, credit: int = 0) -> Iterator[None]:
+    def _account(self, device: int, size: int, *, credit: int = 0) -> Iterator[None]:
         """Open this thread's account on ``device`` for one piece of work
         (a commit, a wake, a defragment, a trim), so that under a limit it
         is refused, or waits (:func:`waiting_for_budget`), before it has made
@@ -195,7 +208,8 @@ class BudgetDriver(DriverAdaptor):
         * what is left is given back at the end.
 
         A block nested in one open on the same device tops the account up
-        to ``size`` (claiming only what it lacks) and adds its ``credit``
+        to ``size`` (claiming only what it lacks, as a create does: past the
+        limit, on the open block's credit) and adds its ``credit``
         until it ends (what it did not draw goes with it); the outermost
         block gives back.
         """
@@ -206,8 +220,7 @@ class BudgetDriver(DriverAdaptor):
         if account is not None:
             credit_before = account.credit
             if size > account.balance:
-                _claim(ledger, size - account.balance)
-                account.balance = size
+                _draw(ledger, account, size - account.balance)
             account.credit += credit
             try:
                 yield
@@ -246,16 +259,9 @@ class BudgetDriver(DriverAdaptor):
         if account is None:
             _claim(ledger, size)
             return None
-        lacking = size - account.balance
-        if lacking > account.credit:
-            _claim(ledger, lacking)
-        elif lacking > 0:
-            try:
-                ledger.claim(lacking, want=False)
-            except BudgetExceededError:
-                ledger.claim_unchecked(lacking)
-                account.credit -= lacking
-        account.balance += max(0, lacking) - size
+        if size > account.balance:
+            _draw(ledger, account, size - account.balance)
+        account.balance -= size
         return account
 
     def create(self, size: int, device: int, shareable: bool) -> int:

@@ -267,7 +267,7 @@ class Ledger:
 
     def claim_unchecked(self, size: int) -> None:
         """Claim ``size`` bytes without the limit's check: only for memory the
-        caller gives back before it is done (see ``BudgetDriver.prepaid``)."""
+        caller gives back before it is done (see ``BudgetDriver.holding``)."""
         with self._mutex:
             self._claims[self._own_slot()] += size
 

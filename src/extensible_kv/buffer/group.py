@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from extensible_kv.buffer.chunks import Chunk, Span, runs_of
-from extensible_kv.buffer.txn import Transaction
+from extensible_kv.buffer.hold import holding
+from extensible_kv.buffer.txn import Transaction, hold_locks
 from extensible_kv.driver import OutOfMemoryError
 
 if TYPE_CHECKING:
@@ -33,21 +34,33 @@ def commit_together(
 ) -> list[list[tuple[int, int]]]:
     """Commit ranges in several buffers, all or nothing.
 
-    ``requests`` pairs each buffer with its ``(offset, size)`` ranges. If any
-    driver call fails, every buffer is left as it was. Returns, per request,
-    the newly mapped runs as ``(offset, size)``. With ``whole_runs`` each run
-    of new granules is one chunk, whatever the buffers' ``chunk_bytes``.
+    ``requests`` pairs each buffer with its ``(offset, size)`` ranges. The
+    chunks are planned once, under the buffers' locks; that plan is what
+    the commit holds from the driver stacks (:func:`holding`: under a
+    budget, claimed at once, or refused before anything is made) and what
+    it maps. If any driver call fails, every buffer is left as it was.
+    Returns, per request, the newly mapped runs as ``(offset, size)``.
+    With ``whole_runs`` each run of new granules is one chunk, whatever the
+    buffers' ``chunk_bytes``.
     """
     requests = [(buffer, list(ranges)) for buffer, ranges in requests]
-    with Transaction(buffer for buffer, _ in requests) as txn:
+    buffers = [buffer for buffer, _ in requests]
+    with hold_locks(buffers):
         plans = [buffer._plan(ranges, whole_runs) for buffer, ranges in requests]
-        work = [(buffer, plan) for (buffer, _), plan in zip(requests, plans, strict=True) if plan]
-        txn.enter_contexts(buffer for buffer, _ in work)
-        for buffer, plan in work:
-            buffer._return_leftovers()
-            txn.undo(buffer._unmake, buffer._map_chunks(plan))
-        txn.commit()
-    return [[(run[0][0], sum(size for _, size in run)) for run in plan] for plan in plans]
+        sizes = [(buffer, _bytes(plan), 0) for buffer, plan in zip(buffers, plans, strict=True)]
+        with holding([item for item in sizes if item[1]]), Transaction(buffers) as txn:
+            work = [(buffer, plan) for buffer, plan in zip(buffers, plans, strict=True) if plan]
+            txn.enter_contexts(buffer for buffer, _ in work)
+            for buffer, plan in work:
+                buffer._return_leftovers()
+                txn.undo(buffer._unmake, buffer._map_chunks(plan))
+            txn.commit()
+    return [[(run[0][0], _bytes([run])) for run in plan] for plan in plans]
+
+
+def _bytes(plan: Sequence[Sequence[Span]]) -> int:
+    """The bytes of the chunks of ``plan`` (runs of ``(offset, size)``)."""
+    return sum(size for run in plan for _, size in run)
 
 
 def release_together(buffers: Sequence[VirtualBuffer], *, idle: bool = False) -> int:

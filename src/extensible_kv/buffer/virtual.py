@@ -232,6 +232,13 @@ class VirtualBuffer:
                 plan.append([(o, min(width, end - o)) for o in range(start, end, width)])
         return plan
 
+    def bytes_to_map(self, ranges: Iterable[tuple[int, int]]) -> int:
+        """Bytes of the granules of ``ranges`` not mapped yet: what a commit
+        of them holds, counted without planning its chunks. Validates."""
+        with self._lock:
+            self._check_usable()
+            return sum(e - s for r in self._widened(list(ranges)) for s, e in self._mapped.gaps(*r))
+
     def chunk_sizes(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
         """The sizes in bytes of the handles a commit of ``ranges`` would
         create now, in order; validates, changes nothing."""

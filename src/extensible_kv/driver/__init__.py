@@ -2,11 +2,8 @@
 
 Only this package talks to a driver; everything above it speaks the
 :class:`Driver` protocol in bytes and integer handles. The budget's adaptor
-and the default stack live above it (``budget/adaptor.py``, ``devices.py``);
-their names stay importable from here, as they were before they moved.
+and the default stack live above it (``budget/adaptor.py``, ``devices.py``).
 """
-
-from typing import Any
 
 from extensible_kv.driver.adaptors import (
     CallStats,
@@ -22,7 +19,7 @@ from extensible_kv.driver.errors import (
     OutOfMemoryError,
 )
 from extensible_kv.driver.host import HostDriver
-from extensible_kv.driver.pool import PoolingDriver, drain_pools
+from extensible_kv.driver.pool import PoolingDriver
 from extensible_kv.driver.protocol import ADAPTOR_CALLS, DRIVER_CALLS, Backend, Driver
 from extensible_kv.driver.select import (
     DeviceSpec,
@@ -32,24 +29,11 @@ from extensible_kv.driver.select import (
     unavailable_reason,
 )
 
-#: Names that moved above this package, kept importable from here.
-_MOVED = ("BudgetDriver", "get_driver", "waiting_for_budget")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from extensible_kv import devices
-
-        return getattr(devices, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "ADAPTOR_CALLS",
     "DRIVER_CALLS",
     "Backend",
     "BackendUnavailableError",
-    "BudgetDriver",
     "BudgetExceededError",
     "CallStats",
     "DeviceSpec",
@@ -64,9 +48,6 @@ __all__ = [
     "StatisticsDriver",
     "backend",
     "device_with_uuid",
-    "drain_pools",
-    "get_driver",
     "parse_device",
     "unavailable_reason",
-    "waiting_for_budget",
 ]

@@ -125,10 +125,8 @@ class DriverAdaptor:
 
     # The adaptor calls: forwarded, for the adaptors below to interpret.
 
-    def reserving(
-        self, device: int, size: int, *, credit: int = 0
-    ) -> AbstractContextManager[object]:
-        return self.inner.reserving(device, size, credit=credit)
+    def holding(self, device: int, size: int, *, credit: int = 0) -> AbstractContextManager[object]:
+        return self.inner.holding(device, size, credit=credit)
 
     def release_idle(self) -> int:
         return self.inner.release_idle()

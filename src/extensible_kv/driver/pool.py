@@ -12,7 +12,7 @@ used: a peer may still map it.
 A sleep drains the pools below the buffers it releases (the protocol's
 ``release_idle``, which this adaptor answers with :meth:`PoolingDriver.drain`):
 sleeping returns every byte to the driver. A piece of work that holds a
-budget for what it creates (``reserving``) holds only what the idle handles
+budget for what it creates (``holding``) holds only what the idle handles
 will not serve, and ``create_ahead`` fills the pool.
 """
 
@@ -311,9 +311,7 @@ class PoolingDriver(DriverAdaptor):
 
     # -- the adaptor calls, as a pool reads them -----------------------------------
 
-    def reserving(
-        self, device: int, size: int, *, credit: int = 0
-    ) -> AbstractContextManager[object]:
+    def holding(self, device: int, size: int, *, credit: int = 0) -> AbstractContextManager[object]:
         """Hold below what the idle handles on ``device`` will not serve:
         they hold their memory (and its claim) already. Where they are not
         of the sizes the work creates, its creates beyond claim one by one.
@@ -324,7 +322,7 @@ class PoolingDriver(DriverAdaptor):
             idle = sum(
                 kind[0] * len(handles) for kind, handles in self._idle.items() if kind[1] == device
             )
-        return self.inner.reserving(device, max(0, size - idle), credit=credit)
+        return self.inner.holding(device, max(0, size - idle), credit=credit)
 
     def release_idle(self) -> int:
         """:meth:`drain`, then the pools below."""
@@ -333,9 +331,3 @@ class PoolingDriver(DriverAdaptor):
     def create_ahead(self, size: int, count: int, device: int, shareable: bool) -> int:
         """:meth:`fill`: into this pool, not the ones below."""
         return self.fill(size, count, device, shareable)
-
-
-def drain_pools(driver: Driver) -> int:
-    """Give back the memory every pool in ``driver``'s stack keeps idle
-    (:meth:`~extensible_kv.driver.Driver.release_idle`); returns the bytes."""
-    return driver.release_idle()

@@ -31,7 +31,7 @@ DRIVER_CALLS: tuple[str, ...] = (
 #: create ahead, say where memory is accounted): each adaptor forwards them
 #: and interprets them for itself, so nothing above the driver needs to know
 #: which adaptors are stacked.
-ADAPTOR_CALLS: tuple[str, ...] = ("reserving", "release_idle", "create_ahead", "accounting")
+ADAPTOR_CALLS: tuple[str, ...] = ("holding", "release_idle", "create_ahead", "accounting")
 
 
 @runtime_checkable
@@ -158,9 +158,7 @@ class Driver(Protocol):
         ``with`` block, and put back whatever was current (or nothing) after."""
         ...
 
-    def reserving(
-        self, device: int, size: int, *, credit: int = 0
-    ) -> AbstractContextManager[object]:
+    def holding(self, device: int, size: int, *, credit: int = 0) -> AbstractContextManager[object]:
         """Hold, for a ``with`` block on this thread, the memory one piece of
         work on ``device`` (a commit, a wake, a defragment, a trim) will
         create beyond what it releases, ``size`` bytes, so that the work is
@@ -198,9 +196,7 @@ class Backend:
     piece of work, keeps no memory idle, cannot create ahead and claims
     from no budget."""
 
-    def reserving(
-        self, device: int, size: int, *, credit: int = 0
-    ) -> AbstractContextManager[object]:
+    def holding(self, device: int, size: int, *, credit: int = 0) -> AbstractContextManager[object]:
         return nullcontext()
 
     def release_idle(self) -> int:
@@ -208,7 +204,7 @@ class Backend:
 
     def create_ahead(self, size: int, count: int, device: int, shareable: bool) -> int:
         raise ValueError(
-            f"reserve_ahead() fills a PoolingDriver, and the driver {self!r} has none: "
+            f"create_ahead() fills a PoolingDriver, and the driver {self!r} has none: "
             f"create the tensor with driver=PoolingDriver(get_driver(device), cap_bytes=...)"
         )
 

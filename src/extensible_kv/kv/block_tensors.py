@@ -18,7 +18,7 @@ import torch
 from extensible_kv.kv.backup import HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
-    claimed_at_once,
+    holding_growth,
     in_one_chunk_per_segment,
     release_physical_all,
     remap_per_segment_all,
@@ -129,26 +129,25 @@ class BlockTensors:
 
         If a commit or a copy fails, the tensors committed so far are
         released again: the cache stays asleep with its backup, for a retry.
+        The caller holds the memory (:meth:`holding`), tensor by tensor but
+        all at once: a wake waiting for room holds none of it, so two
+        engines waking together cannot each hold half and wait on the other.
         """
-        # Tensor by tensor, but claimed at once: a wake waiting for room
-        # holds none of it, so two engines waking together cannot each hold
-        # half and wait on the other.
-        with self.claimed(num_blocks):
-            restorer = backup.restorer(self.regions(num_blocks), staging_bytes=staging_bytes)
-            committed: list[ExtensibleTensor] = []
+        restorer = backup.restorer(self.regions(num_blocks), staging_bytes=staging_bytes)
+        committed: list[ExtensibleTensor] = []
+        try:
             try:
-                try:
-                    first = 0
-                    for tensor, per_block in self.members:
-                        tensor.resize_per_segment_(num_blocks * per_block)
-                        committed.append(tensor)
-                        restorer.copy(range(first, first + tensor.num_segments))
-                        first += tensor.num_segments
-                finally:
-                    restorer.finish()  # no copy may run into memory released below
-            except BaseException:
-                release_physical_all(committed)
-                raise
+                first = 0
+                for tensor, per_block in self.members:
+                    tensor.resize_per_segment_(num_blocks * per_block)
+                    committed.append(tensor)
+                    restorer.copy(range(first, first + tensor.num_segments))
+                    first += tensor.num_segments
+            finally:
+                restorer.finish()  # no copy may run into memory released below
+        except BaseException:
+            release_physical_all(committed)
+            raise
         self.committed = num_blocks
 
     def regions(self, num_blocks: int) -> list[torch.Tensor]:
@@ -162,11 +161,11 @@ class BlockTensors:
                 found.append(full[start : start + num_blocks * per_block])
         return found
 
-    def claimed(self, num_blocks: int) -> AbstractContextManager[object]:
-        """Claim at once what committing ``num_blocks`` blocks in every
-        tensor will create from here (see
-        :func:`~extensible_kv.tensor.claimed_at_once`)."""
-        return claimed_at_once(
+    def holding(self, num_blocks: int) -> AbstractContextManager[object]:
+        """Hold at once what committing ``num_blocks`` blocks in every
+        tensor will map from here (see
+        :func:`~extensible_kv.tensor.holding_growth`)."""
+        return holding_growth(
             [(b, max(num_blocks * per_block, b.bytes_per_segment)) for b, per_block in self.members]
         )
 

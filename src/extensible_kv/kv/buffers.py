@@ -21,6 +21,7 @@ import torch
 
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.budget.publish import register_cache
+from extensible_kv.devices import stream_handles
 from extensible_kv.kv import members
 from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.kv.block_tensors import BlockTensors
@@ -32,11 +33,7 @@ from extensible_kv.kv.registrations import ConnectorRegistrationWarning, Registr
 from extensible_kv.kv.resize import Resizer
 from extensible_kv.kv.sleep import Sleep, SleepState
 from extensible_kv.kv.sleep_wake import SleepWake
-from extensible_kv.tensor import (
-    ExtensibleTensor,
-    reserve_ahead_all,
-    stream_handles,
-)
+from extensible_kv.tensor import ExtensibleTensor, create_ahead_all
 
 __all__ = ["ConnectorRegistrationWarning", "ExtensibleKVCacheBuffers", "KVCacheBuffers"]
 
@@ -131,11 +128,6 @@ class KVCacheBuffers:
         """True between :meth:`release_physical` and :meth:`recommit` (the
         cache's sleep; see :attr:`state` for what it kept)."""
         return self._sleep.asleep
-
-    @property
-    def released(self) -> bool:
-        """:attr:`asleep`, by the name of the call that puts it to sleep."""
-        return self.asleep
 
     @property
     def state(self) -> SleepState:
@@ -366,7 +358,7 @@ class KVCacheBuffers:
     # -- background commit -------------------------------------------------------
 
     @serialized
-    def reserve_ahead(self, num_blocks: int) -> Future[int]:
+    def create_ahead(self, num_blocks: int) -> Future[int]:
         """Create, on a background thread, the physical memory that growing
         to ``num_blocks`` (or, asleep, waking to that count) will map, into
         the handle pools of the tensors' driver stacks
@@ -374,13 +366,16 @@ class KVCacheBuffers:
         wake then only maps. For a wake, call it while the engine reloads
         its weights. The future gives the bytes added; each pool stops at
         its cap (size it to the growth), the rest is created at the commit.
-        A sleep gives the pools' idle memory back: reserve after it.
+        A sleep gives the pools' idle memory back: create ahead after it.
         """
-        self._check_alive("reserve_ahead()")
-        self._check_count("reserve for", num_blocks)
-        return reserve_ahead_all(
+        self._check_alive("create_ahead()")
+        self._check_count("create ahead for", num_blocks)
+        return create_ahead_all(
             [(tensor, num_blocks * per_block) for tensor, per_block in self.tensors]
         )
+
+    #: The name before 0.2 ("reserve" now means address space only).
+    reserve_ahead = create_ahead
 
     def commit_async(self, num_blocks: int) -> Future[CommitTicket]:
         """Commit ``num_blocks`` on a worker thread, so that the driver calls

@@ -123,7 +123,7 @@ def serialized(method: Callable[_P, _R]) -> Callable[_P, _R]:
 
     @functools.wraps(method)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        cache: Any = args[0]  # a KV cache (this module is below it)
+        cache: Any = args[0]  # a KV cache or its elastic blocks (both above this module)
         queue: CommitQueue = cache._commits
         queue.wait()
         with queue._lock:

@@ -38,11 +38,12 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from extensible_kv._checks import check_int
-from extensible_kv.buffer import Transaction, commit_together, release_outside_together
+from extensible_kv.buffer import Transaction, release_outside_together
 from extensible_kv.driver import OutOfMemoryError
 from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.kv.commit_queue import serialized
 from extensible_kv.kv.held_units import ranges_of
-from extensible_kv.tensor import reserving
+from extensible_kv.tensor import commit_ranges_all
 
 __all__ = [
     "ElasticBlocks",
@@ -144,6 +145,8 @@ class ElasticBlocks:
         self.buffers = buffers
         self.num_blocks = num_blocks
         self._books = buffers._units
+        #: The cache's queue, whose lock every change here takes (``serialized``).
+        self._commits = buffers._commits
         self._books.num_blocks = num_blocks
         self._books.set((), blocks_per_unit=1)
         #: The most blocks held at once so far.
@@ -198,11 +201,13 @@ class ElasticBlocks:
 
     # -- changing it ----------------------------------------------------------
 
+    @serialized
     def start(self) -> None:
         """Commit unit 0 (block 0, the null block engines pad block tables
         with), before warm-up or the first step."""
         self._commit({0})
 
+    @serialized
     def apply(self, orders: ElasticOrders) -> ElasticReport:
         """Hold exactly ``orders.held`` plus as many ``orders.wanted`` units
         as the memory allows; give back every granule no held unit touches.
@@ -271,6 +276,7 @@ class ElasticBlocks:
                 return count
         return len(units)
 
+    @serialized
     def give_back(self, units: Iterable[int]) -> None:
         """Release ``units`` (ones the scheduler did not grant after all:
         a tensor-parallel peer could not commit them)."""
@@ -307,19 +313,11 @@ class ElasticBlocks:
         new = units - self._held
         if not new:
             return
-        ranges = self._byte_ranges(new)
-        tensors = [tensor for tensor, _ in self.buffers.tensors]
-        requests = [(tensor.buffer, r) for tensor, r in zip(tensors, ranges, strict=True)]
-        # One hold for the whole run: under a device budget it is claimed
+        # One commit for the whole run: under a device budget it is claimed
         # (or refused) at once, so a refusal tells the other processes the
         # run's size, not one granule's (Ledger.pressure).
-        with reserving([(b, sum(b.chunk_sizes(r)), 0) for b, r in requests]):
-            mapped = commit_together(requests)
-        for tensor, runs in zip(tensors, mapped, strict=True):
-            if not tensor.buffer.driver.zeroes_new_memory:
-                full = tensor.full_view()
-                for offset, size in runs:
-                    full[offset : offset + size].zero_()
+        tensors = [tensor for tensor, _ in self.buffers.tensors]
+        commit_ranges_all(list(zip(tensors, self._byte_ranges(new), strict=True)))
         self._books.set(self._held | new)
 
     def _release_outside(self, keep: AbstractSet[int], *, unheld: bool = False) -> None:

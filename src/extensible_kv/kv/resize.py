@@ -71,7 +71,7 @@ class Resizer:
             return
         # Restore and growth claim their memory together: a refusal comes
         # before either, and leaves the cache asleep with its copy.
-        with self._blocks.claimed(max(num_blocks, sleep.asleep_at)):
+        with self._blocks.holding(max(num_blocks, sleep.asleep_at)):
             self._cycle.wake(keep_host_memory=False, staging_bytes=DEFAULT_STAGING_BYTES)
             self.commit(num_blocks, defragment)
 

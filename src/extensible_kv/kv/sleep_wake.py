@@ -97,7 +97,7 @@ class SleepWake:
         target = sleep.wake_to if num_blocks is None else num_blocks
         # The restore and the growth past it claim their memory together: a
         # refusal comes before either, and leaves the cache asleep with its copy.
-        with self._blocks.claimed(max(target or 0, sleep.asleep_at or 0)):
+        with self._blocks.holding(max(target or 0, sleep.asleep_at or 0)):
             self.wake(keep_host_memory=keep_host_memory, staging_bytes=staging_bytes)
             if target is not None and target > self._blocks.committed:
                 self._blocks.grow(target)

@@ -22,13 +22,13 @@ from extensible_kv.devices import resolve_device, stream_handles
 from extensible_kv.dlpack import ByteView, as_tensor
 from extensible_kv.driver import Driver
 from extensible_kv.intervals import IntervalSet
-from extensible_kv.share import SharedLayout
 from extensible_kv.tensor.group import (
+    create_ahead_all,
     release_physical_all,
-    reserve_ahead_all,
     resize_per_segment_all,
 )
 from extensible_kv.tensor.remap import defragment_all, shrink_per_segment_all
+from extensible_kv.tensor.shared_layout import SharedLayout
 from extensible_kv.tensor.sharing import committed_in, exported_layout, importing_device
 
 __all__ = ["ExtensibleTensor", "published_figures"]
@@ -197,7 +197,7 @@ class ExtensibleTensor:
         """
         resize_per_segment_all([(self, bytes_per_segment)], zero_new=zero_new)
 
-    def reserve_ahead(self, bytes_per_segment: int) -> Future[int]:
+    def create_ahead(self, bytes_per_segment: int) -> Future[int]:
         """Create, on a background thread, the physical memory that growing
         to ``bytes_per_segment`` bytes per segment will map, into the
         handle pool of this tensor's driver stack
@@ -207,7 +207,10 @@ class ExtensibleTensor:
         and what it does not hold is created at the growth, as usual. Needs
         a pool in the stack (a ValueError says so).
         """
-        return reserve_ahead_all([(self, bytes_per_segment)])
+        return create_ahead_all([(self, bytes_per_segment)])
+
+    #: The name before 0.2 ("reserve" now means address space only).
+    reserve_ahead = create_ahead
 
     def _zero(self, ranges: list[tuple[int, int]]) -> None:
         full = self._full_view()

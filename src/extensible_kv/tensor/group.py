@@ -1,6 +1,7 @@
 """Operations over several tensors at once, each all or nothing: grow,
-release, and remap to a new size discarding the contents; and the budget a
-piece of work holds (:func:`reserving`). A tensor's own methods are these
+commit ranges, release, and remap to a new size discarding the contents;
+and the hold of a growth done in steps (:func:`holding_growth`). A
+tensor's own methods are these
 over one tensor. They are the tensor package's own: they read and set a
 tensor's committed size directly, as its methods do, and reach the memory
 only through the tensor's :class:`~extensible_kv.buffer.VirtualBuffer`."""
@@ -20,6 +21,7 @@ from extensible_kv.buffer import (
     commit_together,
     defragment_together,
     hold_locks,
+    holding,
     release_together,
 )
 from extensible_kv.driver import Driver
@@ -29,12 +31,12 @@ if TYPE_CHECKING:
     from extensible_kv.tensor.core import ExtensibleTensor
 
 __all__ = [
-    "claimed_at_once",
+    "commit_ranges_all",
+    "holding_growth",
     "in_one_chunk_per_segment",
     "release_physical_all",
     "remap_per_segment_all",
-    "reserve_ahead_all",
-    "reserving",
+    "create_ahead_all",
     "resize_per_segment_all",
 ]
 
@@ -65,14 +67,16 @@ def grow_plan(
     if bytes_per_segment == old:
         return [], []
     ranges = tensor._segment_ranges(old, bytes_per_segment)
-    if not zero_new:
-        return ranges, []
-    buffer = tensor.buffer
+    return ranges, _to_zero(tensor.buffer, ranges) if zero_new else []
+
+
+def _to_zero(buffer: VirtualBuffer, ranges: Ranges) -> Ranges:
+    """The parts of ``ranges`` a commit of them must zero."""
     if buffer.driver.zeroes_new_memory:
         # Fresh memory arrives zeroed: only granules mapped before this
         # commit (shared with a neighbour, kept by a shrink) can hold old bytes.
-        return ranges, [part for r in ranges for part in buffer.mapped_in(*r)]
-    return ranges, ranges
+        return [part for r in ranges for part in buffer.mapped_in(*r)]
+    return ranges
 
 
 def resize_per_segment_all(
@@ -85,9 +89,7 @@ def resize_per_segment_all(
     """
     with hold_locks(tensor.buffer for tensor, _ in items):
         plans = [(tensor, n, *grow_plan(tensor, n, zero_new)) for tensor, n in items]
-        requests = [(tensor.buffer, ranges) for tensor, _, ranges, _ in plans]
-        with reserving([(b, sum(b.chunk_sizes(ranges)), 0) for b, ranges in requests]):
-            mapped = commit_together(requests)
+        mapped = commit_together([(tensor.buffer, ranges) for tensor, _, ranges, _ in plans])
         for (tensor, n, ranges, to_zero), runs in zip(plans, mapped, strict=True):
             if ranges:
                 tensor._bytes_per_segment = n
@@ -95,8 +97,8 @@ def resize_per_segment_all(
             tensor._zero_tails(within=runs)
 
 
-def reserve_ahead_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> Future[int]:
-    """:meth:`ExtensibleTensor.reserve_ahead` for several tensors, each to
+def create_ahead_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> Future[int]:
+    """:meth:`ExtensibleTensor.create_ahead` for several tensors, each to
     its ``bytes_per_segment``, on one background thread."""
     return create_ahead_in_background(
         [handle for tensor, n in items for handle in _handles_to_grow(tensor, n)]
@@ -109,7 +111,7 @@ def _handles_to_grow(tensor: ExtensibleTensor, bytes_per_segment: int) -> list[t
     validates, and refuses a stack with no pool to fill."""
     buffer = tensor.buffer
     buffer.driver.create_ahead(buffer.granularity, 0, buffer.device, buffer.shareable)
-    tensor._check_alive("reserve_ahead")
+    tensor._check_alive("create_ahead")
     check_int("bytes_per_segment", bytes_per_segment)
     if 0 <= bytes_per_segment <= tensor.bytes_per_segment:
         return []
@@ -118,42 +120,33 @@ def _handles_to_grow(tensor: ExtensibleTensor, bytes_per_segment: int) -> list[t
     return [(buffer.driver, (size, *kind)) for size in buffer.chunk_sizes(ranges)]
 
 
-def claimed_at_once(
+def commit_ranges_all(items: Sequence[tuple[ExtensibleTensor, Ranges]]) -> None:
+    """Back ``(offset, size)`` byte ranges of several tensors with memory,
+    all or nothing: memory anywhere in a tensor's reservation, not only its
+    committed prefix (a cache's elastic units). What this maps reads zero;
+    bytes mapped before keep their contents. The tensors' committed sizes
+    stay; their :attr:`~ExtensibleTensor.physical_bytes` count the new memory."""
+    with hold_locks(tensor.buffer for tensor, _ in items):
+        for tensor, _ in items:
+            tensor._check_alive("commit_ranges_all")
+        mapped = commit_together([(tensor.buffer, ranges) for tensor, ranges in items])
+        for (tensor, _), runs in zip(items, mapped, strict=True):
+            if not tensor.buffer.driver.zeroes_new_memory:
+                tensor._zero(runs)
+
+
+def holding_growth(
     items: Sequence[tuple[ExtensibleTensor, int]],
 ) -> contextlib.AbstractContextManager[object]:
-    """Claim at once what growing each tensor to its ``bytes_per_segment``
-    will create, for work that grows them one at a time (a wake restoring
-    buffer by buffer): under a limit it is refused, or waits, before any of
-    it is made, and holds nothing while it waits. Validates the sizes."""
+    """Hold at once what growing each tensor to its ``bytes_per_segment``
+    will map, for work that grows them one at a time (a wake restoring
+    tensor by tensor): under a limit it is refused, or waits, before any of
+    it is made, and holds nothing while it waits; the growths inside draw
+    on it. Validates the sizes."""
     with hold_locks(tensor.buffer for tensor, _ in items):
         plans = [(tensor.buffer, grow_plan(tensor, n, False)[0]) for tensor, n in items]
-        sizes = [(buffer, sum(buffer.chunk_sizes(ranges))) for buffer, ranges in plans]
-    return reserving([(buffer, size, 0) for buffer, size in sizes if size])
-
-
-def reserving(
-    items: Sequence[tuple[VirtualBuffer, int, int]],
-) -> contextlib.AbstractContextManager[object]:
-    """One hold (:meth:`~extensible_kv.driver.Driver.reserving`) per driver
-    stack and device for the work on ``items``: ``(buffer, bytes it creates
-    beyond what it releases, bytes of credit)``, summed per stack and device;
-    each adaptor in the stack decides for itself what to hold."""
-    totals: dict[tuple[int, int], tuple[Driver, int, int]] = {}
-    for buffer, size, credit in items:
-        key = (id(buffer.driver), buffer.device)
-        _, claimed, credited = totals.get(key, (buffer.driver, 0, 0))
-        totals[key] = (buffer.driver, claimed + size, credited + credit)
-    if len(totals) == 1:  # a cache's buffers on one stack and device
-        (((_, device), (driver, size, credit)),) = totals.items()
-        return driver.reserving(device, max(0, size), credit=credit)
-    stack = contextlib.ExitStack()
-    try:
-        for (_, device), (driver, size, credit) in totals.items():
-            stack.enter_context(driver.reserving(device, max(0, size), credit=credit))
-    except BaseException:
-        stack.close()
-        raise
-    return stack
+        sizes = [(buffer, buffer.bytes_to_map(ranges), 0) for buffer, ranges in plans]
+    return holding([item for item in sizes if item[1]])
 
 
 def release_physical_all(tensors: Sequence[ExtensibleTensor]) -> None:
@@ -213,7 +206,7 @@ def remap(items: Sequence[tuple[ExtensibleTensor, int]]) -> None:
         (buffer, _granule_bytes(buffer, ranges) - buffer.physical_bytes, 0)
         for buffer, ranges in zip(buffers, new, strict=True)
     ]
-    with reserving(growth), Transaction(buffers) as txn:
+    with holding(growth), Transaction(buffers) as txn:
         txn.undo(_zero_restored, tensors, old, [buffer.chunks for buffer in buffers])
         defragment_together(list(zip(buffers, new, strict=True)))
         txn.commit()

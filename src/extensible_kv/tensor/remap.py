@@ -16,12 +16,13 @@ from extensible_kv.buffer import (
     Staging,
     Transaction,
     hold_locks,
+    holding,
     release_outside_together,
     swap_in_together,
     synchronize_buffers,
 )
 from extensible_kv.dlpack import as_tensor
-from extensible_kv.tensor.group import remap, reserving
+from extensible_kv.tensor.group import remap
 
 if TYPE_CHECKING:
     from extensible_kv.tensor.core import ExtensibleTensor
@@ -69,7 +70,7 @@ def shrink_per_segment_all(items: Sequence[tuple[ExtensibleTensor, int]]) -> int
         # The copies of the chunks cut through replace them: they are
         # claimed as credit, so a cache can trim under a full or lowered limit.
         copies = [(t.buffer, 0, sum(n for r in rs for _, n in r.runs)) for t, rs in plans]
-        with reserving(copies):
+        with holding(copies):
             stagings = _stage_all(plans)
             swap_in_together([(t.buffer, staging) for t, staging in stagings], doomed=doomed)
             txn.commit()
@@ -177,7 +178,7 @@ def defragment_all(tensors: Sequence[ExtensibleTensor], *, preserve: bool = Fals
         # of no return is kept for a retry and its failure raised once every
         # batch is done, so one tensor's failure does not leave the rest undone.
         # What the release gives back stays this defragment's for its new chunks.
-        with Transaction(buffers) as txn, reserving([(buffer, 0, 0) for buffer in buffers]):
+        with Transaction(buffers) as txn, holding([(buffer, 0, 0) for buffer in buffers]):
             released = release_outside_together(
                 list(zip(buffers, prefixes, strict=True)), synchronized=True
             )

@@ -12,7 +12,7 @@ import torch
 from extensible_kv._checks import check_int
 from extensible_kv.devices import get_driver, resolve_device
 from extensible_kv.driver import Driver, device_with_uuid
-from extensible_kv.share import SharedLayout
+from extensible_kv.tensor.shared_layout import SharedLayout
 
 if TYPE_CHECKING:
     from extensible_kv.tensor.core import ExtensibleTensor
