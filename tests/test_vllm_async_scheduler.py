@@ -61,11 +61,11 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from extensible_kv import ExtensibleTensor, KVCacheBuffers
 from extensible_kv.demo.tiny_models import save_tiny_model
-from extensible_kv.integrations.vllm_elastic import ElasticSteps, elastic_driver, pool_bytes
-from extensible_kv.integrations.vllm_scheduler import (
+from extensible_kv.integrations.vllm.scheduler.scheduler import (
     ExtensibleKVAsyncScheduler,
     ExtensibleKVScheduler,
 )
+from extensible_kv.integrations.vllm.worker.elastic import ElasticSteps, elastic_driver, pool_bytes
 from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport, units_of
 
 BLOCK_SIZE = 16

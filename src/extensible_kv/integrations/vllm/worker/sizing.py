@@ -29,8 +29,8 @@ __all__ = [
     "warm_up_config",
 ]
 
-#: The worker's logger (``integrations/vllm.py``): its messages keep one name.
-logger = logging.getLogger("extensible_kv.integrations.vllm")
+#: The worker's logger (``worker.py``'s): its messages keep one name.
+logger = logging.getLogger("extensible_kv.integrations.vllm.worker")
 
 
 def total_memory(device: torch.device) -> int:

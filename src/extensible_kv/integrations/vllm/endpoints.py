@@ -45,7 +45,7 @@ from vllm import envs
 
 from extensible_kv.budget import Ledger, snapshot, state_dir
 from extensible_kv.budget.state_dir import StateDirError
-from extensible_kv.integrations.vllm_client import process_title
+from extensible_kv.integrations.vllm.client import process_title
 
 logger = logging.getLogger(__name__)
 

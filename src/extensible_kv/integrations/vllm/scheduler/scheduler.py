@@ -21,7 +21,7 @@ return (:class:`~extensible_kv.kv.elastic.ElasticReport`).
 How the blocks are handed out (lowest id first, only blocks of committed
 units, the prefix cache within ``cache_bytes``) is the block pool's free
 queue in this scheduler,
-:class:`~extensible_kv.integrations.vllm_free_queue.PackedFreeQueue`.
+:class:`~extensible_kv.integrations.vllm.scheduler.free_queue.PackedFreeQueue`.
 
 When no request runs, :meth:`ExtensibleKVScheduler.has_requests` stays true
 while orders wait to go out, so vLLM's engine-core loop (the default, a
@@ -36,7 +36,7 @@ off), its ``Scheduler`` otherwise (:class:`ExtensibleKVScheduler` makes an
 :class:`ExtensibleKVAsyncScheduler` for the first). With async scheduling
 or pipeline parallelism vLLM runs a batch queue, scheduling a batch while
 the one before still executes: a unit goes back only once no batch running
-may use a block of it (:mod:`~extensible_kv.integrations.vllm_in_flight`),
+may use a block of it (:mod:`~extensible_kv.integrations.vllm.scheduler.in_flight`),
 and units asked for stay asked for until the workers' report on them is
 in, so that orders sent meanwhile never give them back.
 """
@@ -46,13 +46,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
+from extensible_kv.integrations.vllm.support import check_vllm_version, installed_vllm
 
-from extensible_kv.integrations.vllm_options import options_of
-from extensible_kv.integrations.vllm_plan import ElasticPlan
-from extensible_kv.integrations.vllm_pressure import Pressure
-from extensible_kv.kv.strided import segmentation
+check_vllm_version(installed_vllm())
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from extensible_kv.integrations.vllm.options import options_of  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.plan import ElasticPlan  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.pressure import Pressure  # noqa: E402
+from extensible_kv.kv.strided import segmentation  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 what the scheduler's orders say (:class:`~extensible_kv.kv.elastic.ElasticOrders`,
 on the step's ``SchedulerOutput``), and answer with a report
 (:class:`~extensible_kv.kv.elastic.ElasticReport`) on the step's output. The
-scheduler's side is :mod:`extensible_kv.integrations.vllm_scheduler`."""
+scheduler's side is :mod:`extensible_kv.integrations.vllm.scheduler.scheduler`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from extensible_kv.devices import get_driver, without_wants
 from extensible_kv.driver import Driver, PoolingDriver
-from extensible_kv.integrations.vllm_steps import scheduled_block_ids
+from extensible_kv.integrations.vllm.worker.steps import scheduled_block_ids
 from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport
 from extensible_kv.kv.strided import segmentation
 

@@ -84,7 +84,7 @@ def _check_floor_and_cap(options: dict[str, Any]) -> None:
 def check_scheduler(vllm_config: Any) -> None:
     """Refuse ``growth: "elastic"`` without our scheduler, in one line."""
     chosen = vllm_config.scheduler_config.scheduler_cls
-    from extensible_kv.integrations.vllm_scheduler import ExtensibleKVScheduler
+    from extensible_kv.integrations.vllm.scheduler.scheduler import ExtensibleKVScheduler
 
     if chosen is None or not (
         chosen == SCHEDULER
