@@ -402,7 +402,9 @@ class StandInWorker:
         if isinstance(config, list):
             config = config[self.stage]
         self.num_blocks = int(config.num_blocks)
-        growth = options_of(self.vllm_config).get("growth")
+        options_of(self.vllm_config)  # checked as our worker checks them
+        extra = self.vllm_config.additional_config or {}
+        growth = extra.get("extensible_kv", {}).get("growth")
         if growth:
             layout = at_capacity(config, self.num_blocks)
             chunk = granule_size("cpu") if growth == "elastic" else None

@@ -44,7 +44,7 @@ in, so that orders sent meanwhile never give them back.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from extensible_kv.integrations.vllm.support import check_vllm_version, installed_vllm
 
@@ -80,6 +80,11 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
     an :class:`ExtensibleKVAsyncScheduler` (this class on vLLM's
     ``AsyncScheduler``), so a custom scheduler costs no overlap."""
 
+    #: The mark ``growth: "elastic"`` looks for on the scheduler vLLM was
+    #: given (:data:`~extensible_kv.integrations.vllm.options.SCHEDULER_MARK`):
+    #: this class and its subclasses send the orders the workers follow.
+    sends_elastic_orders: ClassVar[bool] = True
+
     def __new__(cls, *args: Any, **kwargs: Any) -> ExtensibleKVScheduler:
         # vLLM picks its scheduler class before it makes one, from the
         # config alone (SchedulerConfig.get_scheduler_cls); the choice
@@ -93,13 +98,14 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        options = options_of(vllm_config)
+        #: The ``extensible_kv`` options, checked once, here.
+        self._options = options_of(vllm_config)
         self._elastic: ElasticPlan | None = None
-        if options.get("growth") != "elastic":
+        if self._options.growth != "elastic":
             return
         num_blocks = int(kv_cache_config.num_blocks)
         bytes_per_block = int(kv_cache_config.kv_cache_tensors[0].size) // num_blocks
-        cache_bytes = options.get("cache_bytes")
+        cache_bytes = self._options.cache_bytes
         if cache_bytes is None:
             cache_bytes = default_cache_bytes(num_blocks * bytes_per_block)
         per_unit = blocks_per_unit(kv_cache_config)

@@ -62,7 +62,12 @@ from vllm import envs  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
 from extensible_kv.integrations.vllm.client import client_pid, watch_client  # noqa: E402
-from extensible_kv.integrations.vllm.options import GROWTH_MODES, OPTIONS, options_of  # noqa: E402
+from extensible_kv.integrations.vllm.options import (  # noqa: E402
+    GROWTH_MODES,
+    OPTIONS,
+    Options,
+    options_of,
+)
 from extensible_kv.integrations.vllm.worker import (  # noqa: E402
     commit,
     connectors,
@@ -94,6 +99,9 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: The ``extensible_kv`` options, checked once, here: a bad one stops
+        #: the worker before it allocates anything.
+        self._options: Options = options_of(self.vllm_config)
         self._kv: KVCache | None = None
         self._growth: OnDemandGrowth | None = None
         self._elastic: ElasticSteps | None = None
@@ -115,13 +123,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if client is not None:
             watch_client(client)
 
-    # -- options ------------------------------------------------------------------
-
-    def _options(self) -> dict[str, Any]:
-        return options_of(self.vllm_config)
-
-    def _growth_mode(self) -> str:
-        return str(self._options().get("growth", "static"))
+    # -- growth -------------------------------------------------------------------
 
     def _growth_policy(self) -> OnDemandGrowth | ElasticBlocks | None:
         """What commits the KV cache beyond a prefix: on-demand growth, the
@@ -197,15 +199,15 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         capacity = sizing.capacity_blocks(
             kv_cache_config,
             segmentation(kv_cache_config).size_bytes(1),
-            self._options().get("num_blocks_capacity"),
-            self._growth_mode(),
+            self._options.num_blocks_capacity,
+            self._options.growth,
             self.device,
         )
         layout = at_capacity(kv_cache_config, capacity)
         runner_config = commit.for_runner(layout, num_blocks)
-        set_floor_and_cap(self.device, self._options())
+        set_floor_and_cap(self.device, self._options)
         connectors.check_connector_pool(self.vllm_config, runner_config)
-        elastic = self._growth_mode() == "elastic"
+        elastic = self._options.growth == "elastic"
         step_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
         kv = allocate_kv_cache(
             layout,
@@ -239,7 +241,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         growth = commit.commit_count(
             self._kv.buffers,
             int(runner_config.num_blocks),
-            self._growth_mode(),
+            self._options.growth,
             defragment=self._has_connector(),
         )
         self._growth = growth if isinstance(growth, OnDemandGrowth) else None
@@ -325,7 +327,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         room under a device budget."""
         assert self._kv is not None
         if wait_s is None:
-            wait_s = float(self._options().get("budget_wait_s", 0))
+            wait_s = self._options.budget_wait_s
         sleep.wake_kv(self._kv.buffers, self._growth_policy(), wait_s)
 
     def discard(self, tags: tuple[str, ...]) -> None:
@@ -453,5 +455,5 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if self._kv is None:
             return state.fallback_state()
         return state.kv_state(
-            self._kv.buffers, self._growth_policy(), self._growth_mode(), self._sizing
+            self._kv.buffers, self._growth_policy(), self._options.growth, self._sizing
         )
