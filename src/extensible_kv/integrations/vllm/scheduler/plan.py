@@ -24,8 +24,12 @@ from typing import Any
 
 from extensible_kv.integrations.vllm.scheduler.free_queue import PackedFreeQueue
 from extensible_kv.integrations.vllm.scheduler.in_flight import BatchesInFlight
-from extensible_kv.intervals import IntervalSet
-from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, UnitRanges
+from extensible_kv.integrations.vllm.seam import (
+    ElasticOrders,
+    ElasticReport,
+    IntervalSet,
+    UnitRanges,
+)
 
 __all__ = ["REFUSED_RETRY_S", "RELEASE_PER_STEP", "ElasticPlan"]
 

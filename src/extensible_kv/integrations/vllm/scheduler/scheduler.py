@@ -56,7 +56,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from extensible_kv.integrations.vllm.options import options_of  # noqa: E402
 from extensible_kv.integrations.vllm.scheduler.plan import ElasticPlan  # noqa: E402
 from extensible_kv.integrations.vllm.scheduler.pressure import Pressure  # noqa: E402
-from extensible_kv.kv.strided import segmentation  # noqa: E402
+from extensible_kv.integrations.vllm.seam import segmentation  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

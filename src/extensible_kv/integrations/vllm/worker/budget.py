@@ -9,9 +9,8 @@ import logging
 
 import torch
 
-from extensible_kv.budget import Ledger, state_dir
-from extensible_kv.devices import resolve_device
 from extensible_kv.integrations.vllm.options import Options
+from extensible_kv.integrations.vllm.seam import ledger_of
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +22,7 @@ def set_floor_and_cap(device: torch.device, options: Options) -> None:
     floor, cap = options.floor_bytes, options.cap_bytes
     if not floor and cap is None:
         return
-    device, driver = resolve_device(device, None)
-    ledger = Ledger(state_dir(), driver.device_uuid(device.index or 0))
+    ledger = ledger_of(device)
     try:
         written = ledger.set_floor_and_cap(floor, cap)
     finally:

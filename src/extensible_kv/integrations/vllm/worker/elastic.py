@@ -16,11 +16,18 @@ from typing import Any
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
-from extensible_kv.devices import get_driver, without_wants
-from extensible_kv.driver import Driver, PoolingDriver
+from extensible_kv.integrations.vllm.seam import (
+    Driver,
+    ElasticBlocks,
+    ElasticOrders,
+    ElasticReport,
+    PoolingDriver,
+    accounting_of,
+    get_driver,
+    segmentation,
+    without_wants,
+)
 from extensible_kv.integrations.vllm.worker.steps import scheduled_block_ids
-from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport
-from extensible_kv.kv.strided import segmentation
 
 __all__ = ["ElasticSteps", "elastic_driver", "pool_bytes"]
 
@@ -128,8 +135,7 @@ class ElasticSteps:
         if self._told_ledgers:
             return report
         self._told_ledgers = True
-        tensor = self.blocks.buffers.tensors[0][0]
-        accounting = tensor.buffer.driver.accounting(tensor.buffer.device)
+        accounting = accounting_of(self.blocks.buffers)
         mine = () if accounting is None else ((*accounting, os.getpid()),)
         from vllm.distributed.parallel_state import get_tp_group
 

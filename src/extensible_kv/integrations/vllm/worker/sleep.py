@@ -11,16 +11,19 @@ from typing import Any
 
 from vllm.platforms import current_platform
 
-from extensible_kv import waiting_for_budget
-from extensible_kv._checks import check_int
+from extensible_kv.integrations.vllm.seam import (
+    ElasticBlocks,
+    KVCacheBuffers,
+    OnDemandGrowth,
+    check_int,
+    waiting_for_budget,
+)
 from extensible_kv.integrations.vllm.worker.connectors import (
     connector_name,
     connector_of,
     release_refusal,
 )
 from extensible_kv.integrations.vllm.worker.steps import ended
-from extensible_kv.kv import KVCacheBuffers, OnDemandGrowth
-from extensible_kv.kv.elastic import ElasticBlocks
 
 __all__ = [
     "blocks_in_use",

@@ -49,12 +49,18 @@ import logging
 import warnings
 from typing import Any
 
-from extensible_kv import granule_size, unavailable_reason
-from extensible_kv._checks import check_bool
+from extensible_kv.integrations.vllm.seam import (
+    ElasticBlocks,
+    KVCache,
+    OnDemandGrowth,
+    allocate_kv_cache,
+    at_capacity,
+    check_bool,
+    granule_size,
+    segmentation,
+    unavailable_reason,
+)
 from extensible_kv.integrations.vllm.support import check_vllm_version, installed_vllm
-from extensible_kv.kv import KVCache, OnDemandGrowth, allocate_kv_cache, at_capacity
-from extensible_kv.kv.elastic import ElasticBlocks
-from extensible_kv.kv.strided import segmentation
 
 check_vllm_version(installed_vllm())
 
