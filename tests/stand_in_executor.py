@@ -21,7 +21,7 @@ their model runners and the GPU are stood in for.
   worker as ``WorkerProc`` resolves it.
 - A :class:`StandInWorker` does on the host what our worker
   (``ExtensibleKVWorker``) does: the real
-  :class:`~extensible_kv.integrations.vllm_elastic.ElasticSteps` applies the
+  :class:`~extensible_kv.integrations.vllm.worker.elastic.ElasticSteps` applies the
   scheduler's orders to a real KV cache on the host backend (units really
   committed and unmapped) before the step, and its report goes on the step's
   output through ``ElasticSteps.with_report``. It keeps the block tables as
@@ -391,9 +391,9 @@ class StandInWorker:
         ours, committed as our worker commits it (elastic: unit 0, then what
         the orders say); without, stock vLLM's: plain zeroed memory."""
         from extensible_kv import granule_size
-        from extensible_kv.integrations import vllm_commit
-        from extensible_kv.integrations.vllm_elastic import ElasticSteps
-        from extensible_kv.integrations.vllm_options import options_of
+        from extensible_kv.integrations.vllm.options import options_of
+        from extensible_kv.integrations.vllm.worker import commit
+        from extensible_kv.integrations.vllm.worker.elastic import ElasticSteps
         from extensible_kv.kv import allocate_kv_cache, at_capacity
         from extensible_kv.kv.elastic import ElasticBlocks
         from extensible_kv.kv.strided import layer_layouts
@@ -402,14 +402,14 @@ class StandInWorker:
         if isinstance(config, list):
             config = config[self.stage]
         self.num_blocks = int(config.num_blocks)
-        growth = options_of(self.vllm_config).get("growth")
+        options_of(self.vllm_config)  # checked as our worker checks them
+        extra = self.vllm_config.additional_config or {}
+        growth = extra.get("extensible_kv", {}).get("growth")
         if growth:
             layout = at_capacity(config, self.num_blocks)
             chunk = granule_size("cpu") if growth == "elastic" else None
             self.kv = allocate_kv_cache(layout, device="cpu", chunk_bytes=chunk)
-            made = vllm_commit.commit_count(
-                self.kv.buffers, self.num_blocks, growth, defragment=False
-            )
+            made = commit.commit_count(self.kv.buffers, self.num_blocks, growth, defragment=False)
             if isinstance(made, ElasticBlocks):
                 self.steps = ElasticSteps(made)
             backing = self.kv.backing[0]

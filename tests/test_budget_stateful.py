@@ -77,7 +77,7 @@ class BudgetMachine(RuleBasedStateMachine):
     def snapshot(self) -> tuple[object, ...]:
         return (
             self.cache.num_blocks_committed,
-            self.cache.released,
+            self.cache.asleep,
             self.cache.physical_bytes,
             self.cache.host_backup_bytes,
             self.ledger.held,
@@ -177,7 +177,7 @@ class BudgetMachine(RuleBasedStateMachine):
 
     @invariant()
     def state_matches_the_model(self) -> None:
-        assert self.cache.released == (self.asleep is not None)
+        assert self.cache.asleep == (self.asleep is not None)
         if self.asleep is None:
             assert self.cache.num_blocks_committed == self.blocks.shape[1]
             granules = -(-self.blocks.shape[1] * BLOCK // GRANULE)

@@ -1,5 +1,5 @@
 """The vLLM worker's watch on its engine's client
-(``extensible_kv.integrations.vllm_client``), with real processes titled as
+(``extensible_kv.integrations.vllm.client``), with real processes titled as
 vLLM titles its own: a client, under it an engine core, under that a
 worker. Needs no vLLM; tests/test_vllm_server.py checks the same with a
 real server."""
@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from extensible_kv.integrations.vllm_client import client_pid
+from extensible_kv.integrations.vllm.client import client_pid
 
 WORKER = (
     "import os, time\n"
-    "from extensible_kv.integrations.vllm_client import client_pid, watch_client\n"
+    "from extensible_kv.integrations.vllm.client import client_pid, watch_client\n"
     "client = client_pid('VLLM')\n"
     "print(os.getpid(), client, flush=True)\n"
     "watch_client(client)\n"
@@ -86,7 +86,7 @@ def test_a_worker_whose_client_is_gone_before_the_watch_starts_goes_at_once() ->
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from extensible_kv.integrations.vllm_client import watch_client\n"
+            "from extensible_kv.integrations.vllm.client import watch_client\n"
             "watch_client(int(sys.argv[1]))\n"
             "time.sleep(120)\n",
             str(gone.pid),

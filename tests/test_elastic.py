@@ -19,7 +19,7 @@ from extensible_kv import (
     get_driver,
 )
 from extensible_kv.driver import Driver
-from extensible_kv.integrations.vllm_state import kv_state
+from extensible_kv.integrations.vllm.worker.state import kv_state
 from extensible_kv.kv import KVCacheBuffers, SleepState
 from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ranges_of, units_of
 from extensible_kv.kv.published import published

@@ -1,4 +1,4 @@
-"""Batches in flight (integrations/vllm_in_flight.py, no vLLM needed): a
+"""Batches in flight (integrations/vllm/scheduler/in_flight.py, no vLLM needed): a
 unit a request gave back while batches ran stays pinned until every batch
 scheduled by then has finished, against a model that keeps, per unit, the
 batches that were running when its blocks came back."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extensible_kv.integrations.vllm_in_flight import BatchesInFlight
+from extensible_kv.integrations.vllm.scheduler.in_flight import BatchesInFlight
 
 #: A step of the engine: schedule a batch, finish the oldest, or give back
 #: blocks of some units.

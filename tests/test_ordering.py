@@ -213,17 +213,17 @@ class StreamOrderedMachine(RuleBasedStateMachine):
 
     @rule(blocks=st.integers(0, 64))
     def commit(self, blocks: int) -> None:
-        if not self.cache.released:
+        if not self.cache.asleep:
             self.cache.commit(blocks)
 
     @rule(blocks=st.integers(0, 64))
     def trim(self, blocks: int) -> None:
-        if not self.cache.released:
+        if not self.cache.asleep:
             self.cache.trim(min(blocks, self.cache.num_blocks_committed))
 
     @rule(preserve=st.booleans())
     def defragment(self, preserve: bool) -> None:
-        if not self.cache.released:
+        if not self.cache.asleep:
             self.cache.defragment(preserve=preserve)
 
     @rule(preserve=st.booleans())
@@ -236,7 +236,7 @@ class StreamOrderedMachine(RuleBasedStateMachine):
 
     @rule(value=st.integers(1, 255))
     def launch_named(self, value: int) -> None:
-        if not self.cache.released and self.cache.num_blocks_committed:
+        if not self.cache.asleep and self.cache.num_blocks_committed:
             write_in_flight(self.machine, first_block(self.cache), value)
 
     @rule()

@@ -82,7 +82,7 @@ def test_the_quick_suite_runs_every_mode_scale_and_trace(tmp_path: Path) -> None
     _check_scales(saved["scales"])
     _check_profile(saved["profile"])
     assert set(saved["falling_goal"]) == {"scale", "goal_s", *scheduler.MODES}
-    assert "extensible_kv.integrations.vllm_scheduler" in saved["ours_sources"]
+    assert "extensible_kv.integrations.vllm.scheduler.scheduler" in saved["ours_sources"]
     _check_driver_calls(saved["driver_calls"], 256, 4)
     assert "| async scheduling | scale | trace |" in result.stdout
     tables = scheduler_tables(saved)

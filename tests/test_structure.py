@@ -1,7 +1,9 @@
 """docs/design.md's structural rules, checked on the sources as they stand:
 no module over 500 lines, ``driver/`` never importing ``budget/``, the
-layers above the driver never naming an adaptor, and no module reading
-another package's private names. What breaks a rule today is
+layers above the driver never naming an adaptor, no module reading
+another package's private names, and the vLLM integration's floors (its
+sides never importing each other, the floor below them importing no side,
+one seam out of the package). What breaks a rule today is
 listed with its size; the lists may only shrink (each entry names what is
 left to do), and nothing new may join them."""
 
@@ -168,3 +170,115 @@ def test_no_import_runs_back_up_between_rooms() -> None:
                     seen.add(other)
                     stack.append((other, [*path, other]))
     assert circles == []
+
+
+#: The vLLM integration (``integrations/vllm/``): one side per process, over
+#: a floor every side reads, whose ``seam.py`` alone imports the library.
+VLLM = "integrations/vllm/"
+VLLM_PACKAGE = "extensible_kv.integrations.vllm"
+VLLM_SIDES = {"worker/": "worker", "scheduler/": "scheduler", "endpoints.py": "endpoints"}
+VLLM_SEAM = "integrations/vllm/seam.py"
+
+
+def _imports(name: str, text: str) -> set[str]:
+    """The dotted modules (and names) module ``name`` imports anywhere in
+    it (in functions and under ``TYPE_CHECKING`` too), relative imports
+    resolved; ``from a import b`` counts ``a`` and ``a.b``, and so does
+    ``importlib.import_module("a.b")`` given a string."""
+    package = f"extensible_kv.{name[: -len('.py')].replace('/', '.')}".rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Attribute, ast.Name))
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+            == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
+    return found
+
+
+def _vllm_part(dotted: str) -> str | None:
+    """Where an imported name lies in the vLLM package: a side's name, "floor"
+    for a module of the floor, "re-export" for a name its ``__init__`` hands
+    out (a side's, imported past the side); None outside the package."""
+    if not dotted.startswith(f"{VLLM_PACKAGE}."):
+        return None
+    first = dotted[len(VLLM_PACKAGE) + 1 :].split(".")[0]
+    for where, side in VLLM_SIDES.items():
+        if first == where.removesuffix("/").removesuffix(".py"):
+            return side
+    return "floor" if (SRC / VLLM / f"{first}.py").exists() else "re-export"
+
+
+def _vllm_modules() -> dict[str, tuple[str, set[str]]]:
+    """Each module of the vLLM package: its part (a side, or "floor"; the
+    package's ``__init__``, which names both sides, is left out) and what it
+    imports."""
+    found = {}
+    for name, text in modules().items():
+        if not name.startswith(VLLM) or name == f"{VLLM}__init__.py":
+            continue
+        inside = name[len(VLLM) :]
+        part = next((s for w, s in VLLM_SIDES.items() if inside.startswith(w)), "floor")
+        found[name] = (part, _imports(name, text))
+    return found
+
+
+def test_the_vllm_sides_never_import_each_other() -> None:
+    """The worker (``worker/``), the scheduler (``scheduler/``) and the HTTP
+    routes (``endpoints.py``) run in different processes: none imports
+    another, nor the package's re-exports of them."""
+    found = _vllm_modules()
+    assert {part for part, _ in found.values()} == {"floor", *VLLM_SIDES.values()}
+    crossing = sorted(
+        f"{name} imports {target}"
+        for name, (part, imported) in found.items()
+        if part != "floor"
+        for target in imported
+        if _vllm_part(target) not in (None, "floor", part)
+    )
+    assert crossing == []
+
+
+def test_the_vllm_floor_imports_no_side() -> None:
+    """The modules below the sides (options, support, client, seam) import
+    none of them: what both sides read never depends on either."""
+    found = _vllm_modules()
+    climbing = sorted(
+        f"{name} imports {target}"
+        for name, (part, imported) in found.items()
+        if part == "floor"
+        for target in imported
+        if _vllm_part(target) not in (None, "floor")
+    )
+    assert climbing == []
+
+
+def test_only_the_seam_leaves_the_vllm_package() -> None:
+    """Within ``integrations/vllm/`` only ``seam.py`` imports the rest of
+    extensible-kv (kv, budget, devices, driver, tensor, buffer, intervals,
+    the package root's helpers); every other module takes it from there."""
+    found = _vllm_modules()
+    assert VLLM_SEAM in found
+    leaving = sorted(
+        f"{name} imports {target}"
+        for name, (_, imported) in found.items()
+        if name != VLLM_SEAM
+        for target in imported
+        if (target == "extensible_kv" or target.startswith("extensible_kv."))
+        and not target.startswith(f"{VLLM_PACKAGE}.")
+        and target != VLLM_PACKAGE
+    )
+    assert leaving == []

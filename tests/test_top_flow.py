@@ -500,7 +500,7 @@ def _gauge(text: str, name: str, **labels: object) -> list[float]:
 def test_the_gauges_carry_the_flow(budget: BudgetDriver, state: Path) -> None:
     pytest.importorskip("prometheus_client")
     pytest.importorskip("vllm")
-    from extensible_kv.integrations.vllm_endpoints import metrics_text
+    from extensible_kv.integrations.vllm.endpoints import metrics_text
 
     ledger = budget.ledger(0)
     cache = _cache(budget)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -49,6 +50,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -61,11 +63,12 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from extensible_kv import ExtensibleTensor, KVCacheBuffers
 from extensible_kv.demo.tiny_models import save_tiny_model
-from extensible_kv.integrations.vllm_elastic import ElasticSteps, elastic_driver, pool_bytes
-from extensible_kv.integrations.vllm_scheduler import (
+from extensible_kv.integrations.vllm.options import SCHEDULER, SCHEDULER_MARK, check_scheduler
+from extensible_kv.integrations.vllm.scheduler.scheduler import (
     ExtensibleKVAsyncScheduler,
     ExtensibleKVScheduler,
 )
+from extensible_kv.integrations.vllm.worker.elastic import ElasticSteps, elastic_driver, pool_bytes
 from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport, units_of
 
 BLOCK_SIZE = 16
@@ -421,3 +424,34 @@ def test_a_gpu_workers_pool_keeps_one_steps_units_and_the_host_has_none() -> Non
     assert pool_bytes(config, 96, granule) == 2 * granule
     assert pool_bytes(config, 16 * 64, granule) == (8 + 1) * granule
     assert elastic_driver(torch.device("cpu"), config, 96) is None
+
+
+def test_the_elastic_option_knows_our_scheduler_by_its_mark() -> None:
+    """``growth: "elastic"`` takes our scheduler by name or as a class, and
+    a subclass of it either way, by the mark it carries (the options never
+    import the scheduler); any other scheduler is refused in one line."""
+
+    class Ours(ExtensibleKVScheduler):  # type: ignore[misc]
+        pass
+
+    def config(chosen: object, resolved: type) -> Any:
+        scheduler = SimpleNamespace(scheduler_cls=chosen, get_scheduler_cls=lambda: resolved)
+        return SimpleNamespace(scheduler_config=scheduler)
+
+    assert getattr(ExtensibleKVScheduler, SCHEDULER_MARK) is True
+    for chosen, resolved in [
+        (SCHEDULER, ExtensibleKVScheduler),
+        (ExtensibleKVScheduler, ExtensibleKVScheduler),
+        (ExtensibleKVAsyncScheduler, ExtensibleKVAsyncScheduler),
+        (Ours, Ours),
+        ("somewhere.Ours", Ours),
+    ]:
+        check_scheduler(config(chosen, resolved))
+    for chosen, resolved in [
+        (None, Scheduler),
+        (Scheduler, Scheduler),
+        ("vllm.v1.core.sched.scheduler.Scheduler", Scheduler),
+    ]:
+        with pytest.raises(ValueError, match="'elastic' needs scheduler_cls=") as refused:
+            check_scheduler(config(chosen, resolved))
+        assert "\n" not in str(refused.value)

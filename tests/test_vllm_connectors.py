@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
 )
 
-from extensible_kv.integrations.vllm_connectors import release_refusal
+from extensible_kv.integrations.vllm.worker.connectors import release_refusal
 
 CONFIG = object()  # what supports_sleep_mode reads; these stand-ins ignore it
 

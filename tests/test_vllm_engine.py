@@ -388,7 +388,7 @@ def test_every_option_is_checked_in_one_line_against_vllms_own_config(
     error of which reaches the user as the test above shows."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from extensible_kv.integrations.vllm_options import options_of
+    from extensible_kv.integrations.vllm.options import options_of
 
     config = EngineArgs(
         models["llama"], skip_tokenizer_init=True, additional_config={"extensible_kv": options}

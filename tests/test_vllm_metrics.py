@@ -16,7 +16,7 @@ from extensible_kv.budget.publish import publisher
 from extensible_kv.driver import backend
 
 pytest.importorskip("vllm")
-from extensible_kv.integrations.vllm_endpoints import metrics_text
+from extensible_kv.integrations.vllm.endpoints import metrics_text
 
 MiB = 1 << 20
 BLOCK = 256 * 1024  # 8 blocks per 2 MiB granule

@@ -1,4 +1,4 @@
-"""integrations/vllm_pressure.py with no vLLM engine, on a real ledger:
+"""integrations/vllm/scheduler/pressure.py with no vLLM engine, on a real ledger:
 what another process wants, in the engine's blocks, and the engine's floor,
 which the giving back never goes below."""
 
@@ -16,7 +16,7 @@ import pytest
 
 from extensible_kv.budget import Ledger
 from extensible_kv.driver import backend
-from extensible_kv.integrations.vllm_pressure import Pressure
+from extensible_kv.integrations.vllm.scheduler.pressure import Pressure
 from extensible_kv.limits import set_device_limit, set_floor_and_cap
 
 MiB = 1 << 20

@@ -36,7 +36,11 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
-from extensible_kv.integrations.vllm_plan import REFUSED_RETRY_S, RELEASE_PER_STEP, ElasticPlan
+from extensible_kv.integrations.vllm.scheduler.plan import (
+    REFUSED_RETRY_S,
+    RELEASE_PER_STEP,
+    ElasticPlan,
+)
 from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, units_of
 
 NUM_BLOCKS = 70  # 9 units of 8, the last one short

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from extensible_kv.integrations.vllm_support import (
+from extensible_kv.integrations.vllm.support import (
     SUPPORTED_VLLM,
     check_vllm_version,
     installed_vllm,
@@ -29,9 +29,20 @@ def test_releases_outside_fail_with_one_line_naming_the_range(found: str) -> Non
     assert found in message
 
 
-def test_importing_the_worker_without_vllm_says_what_it_needs() -> None:
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [("worker.worker", "ExtensibleKVWorker"), ("scheduler.scheduler", "ExtensibleKVScheduler")],
+)
+def test_importing_the_worker_without_vllm_says_what_it_needs(module: str, name: str) -> None:
+    """The package imports each side only when asked for one of its names
+    (as vLLM resolves ``worker_cls``: the module, then the name), so the
+    modules read without vLLM import here; the worker and the scheduler say
+    what they need, asked for by name or imported."""
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here (nox -s vllm)")
     assert installed_vllm() is None
+    package = importlib.import_module("extensible_kv.integrations.vllm")
     with pytest.raises(ImportError, match=f"needs vLLM {SUPPORTED_VLLM}; vLLM is not installed"):
-        importlib.import_module("extensible_kv.integrations.vllm")
+        getattr(package, name)
+    with pytest.raises(ImportError, match=f"needs vLLM {SUPPORTED_VLLM}; vLLM is not installed"):
+        importlib.import_module(f"extensible_kv.integrations.vllm.{module}")

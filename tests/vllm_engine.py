@@ -323,7 +323,7 @@ def connector(path: str | None) -> dict[str, Any] | None:
 def main() -> None:
     ours = settings["worker"] == "ours"
     if settings.get("fallback"):
-        import extensible_kv.integrations.vllm as integration
+        import extensible_kv.integrations.vllm.worker.worker as integration
 
         integration.unavailable_reason = lambda device: "no VMM here (a test's mock)"
     start = time.perf_counter()

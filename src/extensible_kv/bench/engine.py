@@ -116,7 +116,7 @@ def unavailable() -> str | None:
     """Why the suite cannot run here, or None."""
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (nox -s vllm installs it)"
-    from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
+    from extensible_kv.integrations.vllm.support import check_vllm_version, installed_vllm
 
     try:
         check_vllm_version(installed_vllm())

@@ -587,7 +587,7 @@ def _verdict(ratio: float, goal: float, mine: dict[str, Any], theirs: dict[str, 
 
 def _scale_figures(model: str, scale: Scale) -> dict[str, Any]:
     """The scale's blocks and units as vLLM's config and our scheduler see them."""
-    from extensible_kv.integrations.vllm_scheduler import blocks_per_unit
+    from extensible_kv.integrations.vllm.scheduler.scheduler import blocks_per_unit
 
     config = _vllm_config(model, True, False, None)
     kv_cache_config = _kv_cache_config(config, scale)

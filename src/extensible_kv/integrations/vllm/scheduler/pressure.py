@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from extensible_kv.budget import Ledger
+from extensible_kv.integrations.vllm.seam import Ledger
 
 #: Seconds a reading of the ledgers is reused: the engine's loop asks for
 #: every step, and a want waits a step or two at most for it.

@@ -21,7 +21,7 @@ return (:class:`~extensible_kv.kv.elastic.ElasticReport`).
 How the blocks are handed out (lowest id first, only blocks of committed
 units, the prefix cache within ``cache_bytes``) is the block pool's free
 queue in this scheduler,
-:class:`~extensible_kv.integrations.vllm_free_queue.PackedFreeQueue`.
+:class:`~extensible_kv.integrations.vllm.scheduler.free_queue.PackedFreeQueue`.
 
 When no request runs, :meth:`ExtensibleKVScheduler.has_requests` stays true
 while orders wait to go out, so vLLM's engine-core loop (the default, a
@@ -36,7 +36,7 @@ off), its ``Scheduler`` otherwise (:class:`ExtensibleKVScheduler` makes an
 :class:`ExtensibleKVAsyncScheduler` for the first). With async scheduling
 or pipeline parallelism vLLM runs a batch queue, scheduling a batch while
 the one before still executes: a unit goes back only once no batch running
-may use a block of it (:mod:`~extensible_kv.integrations.vllm_in_flight`),
+may use a block of it (:mod:`~extensible_kv.integrations.vllm.scheduler.in_flight`),
 and units asked for stay asked for until the workers' report on them is
 in, so that orders sent meanwhile never give them back.
 """
@@ -44,15 +44,19 @@ in, so that orders sent meanwhile never give them back.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
+from extensible_kv.integrations.vllm.support import check_vllm_version, installed_vllm
 
-from extensible_kv.integrations.vllm_options import options_of
-from extensible_kv.integrations.vllm_plan import ElasticPlan
-from extensible_kv.integrations.vllm_pressure import Pressure
-from extensible_kv.kv.strided import segmentation
+check_vllm_version(installed_vllm())
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from extensible_kv.integrations.vllm.options import options_of  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.plan import ElasticPlan  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.pressure import Pressure  # noqa: E402
+from extensible_kv.integrations.vllm.seam import segmentation  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,11 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
     an :class:`ExtensibleKVAsyncScheduler` (this class on vLLM's
     ``AsyncScheduler``), so a custom scheduler costs no overlap."""
 
+    #: The mark ``growth: "elastic"`` looks for on the scheduler vLLM was
+    #: given (:data:`~extensible_kv.integrations.vllm.options.SCHEDULER_MARK`):
+    #: this class and its subclasses send the orders the workers follow.
+    sends_elastic_orders: ClassVar[bool] = True
+
     def __new__(cls, *args: Any, **kwargs: Any) -> ExtensibleKVScheduler:
         # vLLM picks its scheduler class before it makes one, from the
         # config alone (SchedulerConfig.get_scheduler_cls); the choice
@@ -89,13 +98,14 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        options = options_of(vllm_config)
+        #: The ``extensible_kv`` options, checked once, here.
+        self._options = options_of(vllm_config)
         self._elastic: ElasticPlan | None = None
-        if options.get("growth") != "elastic":
+        if self._options.growth != "elastic":
             return
         num_blocks = int(kv_cache_config.num_blocks)
         bytes_per_block = int(kv_cache_config.kv_cache_tensors[0].size) // num_blocks
-        cache_bytes = options.get("cache_bytes")
+        cache_bytes = self._options.cache_bytes
         if cache_bytes is None:
             cache_bytes = default_cache_bytes(num_blocks * bytes_per_block)
         per_unit = blocks_per_unit(kv_cache_config)

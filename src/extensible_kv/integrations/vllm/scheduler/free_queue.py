@@ -27,7 +27,7 @@ import heapq
 from array import array
 from typing import Any
 
-from extensible_kv.integrations.vllm_unit_index import UnitIndex
+from extensible_kv.integrations.vllm.scheduler.unit_index import UnitIndex
 
 _USED, _CLEAN, _CACHED, _HIDDEN = 0, 1, 2, 3
 

@@ -4,7 +4,7 @@ blocks the workers hold, and the orders that change it each step.
 Its cost follows what changed: the units given back, asked for, evicted
 or answered, each run of them in one change of the free queue, the units
 to look at read from the queue's index
-(:mod:`~extensible_kv.integrations.vllm_unit_index`) and the committed
+(:mod:`~extensible_kv.integrations.vllm.scheduler.unit_index`) and the committed
 units kept as ranges; never a scan of every unit, every cached block or
 every request. A step evicts from the prefix cache, and gives back, at
 most :data:`RELEASE_PER_STEP` units each, and asks for another step while
@@ -22,10 +22,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from extensible_kv.integrations.vllm_free_queue import PackedFreeQueue
-from extensible_kv.integrations.vllm_in_flight import BatchesInFlight
-from extensible_kv.intervals import IntervalSet
-from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, UnitRanges
+from extensible_kv.integrations.vllm.scheduler.free_queue import PackedFreeQueue
+from extensible_kv.integrations.vllm.scheduler.in_flight import BatchesInFlight
+from extensible_kv.integrations.vllm.seam import (
+    ElasticOrders,
+    ElasticReport,
+    IntervalSet,
+    UnitRanges,
+)
 
 __all__ = ["REFUSED_RETRY_S", "RELEASE_PER_STEP", "ElasticPlan"]
 

@@ -43,9 +43,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from vllm import envs
 
-from extensible_kv.budget import Ledger, snapshot, state_dir
-from extensible_kv.budget.state_dir import StateDirError
-from extensible_kv.integrations.vllm_client import process_title
+from extensible_kv.integrations.vllm.client import process_title
+from extensible_kv.integrations.vllm.seam import Ledger, StateDirError, snapshot, state_dir
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,7 @@ from typing import Any
 import torch
 from vllm.platforms import current_platform
 
-from extensible_kv import granule_size
-from extensible_kv.kv import KVCacheBuffers
-from extensible_kv.kv.strided import segmentation
+from extensible_kv.integrations.vllm.seam import KVCacheBuffers, granule_size, segmentation
 
 __all__ = [
     "capacity_blocks",
@@ -29,8 +27,8 @@ __all__ = [
     "warm_up_config",
 ]
 
-#: The worker's logger (``integrations/vllm.py``): its messages keep one name.
-logger = logging.getLogger("extensible_kv.integrations.vllm")
+#: The worker's logger (``worker.py``'s): its messages keep one name.
+logger = logging.getLogger("extensible_kv.integrations.vllm.worker")
 
 
 def total_memory(device: torch.device) -> int:

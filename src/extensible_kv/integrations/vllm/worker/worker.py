@@ -11,7 +11,7 @@ GPU) and changes three things, through vLLM's hooks:
   out at a capacity (an upper bound of blocks: address space only), reserves
   it with :func:`~extensible_kv.kv.allocate_kv_cache`, commits vLLM's block
   count and hands the reservation to vLLM as the KV cache's backing buffer
-  (see :mod:`~extensible_kv.integrations.vllm_handover`). vLLM then makes
+  (see :mod:`~extensible_kv.integrations.vllm.worker.handover`). vLLM then makes
   its own views, shapes, strides, dtypes and kernel blocks over it and binds
   them as usual.
 - **Sleep and wake.** ``sleep(level >= 1)`` and ``discard(("kv_cache",))``
@@ -37,7 +37,7 @@ scheduler hands their ids out, before the step that uses them, and
 ``"elastic"``: with ``scheduler_cls=
 "extensible_kv.integrations.vllm.ExtensibleKVScheduler"``, the memory
 follows the load up and down, as the scheduler orders, see
-:mod:`extensible_kv.integrations.vllm_scheduler`) and ``cache_bytes``
+:mod:`extensible_kv.integrations.vllm.scheduler.scheduler`) and ``cache_bytes``
 (``"elastic"``: the most memory kept for the prefix cache). Without
 virtual memory management on the device, the worker falls back to vLLM's
 own allocation with one warning.
@@ -49,51 +49,65 @@ import logging
 import warnings
 from typing import Any
 
-from extensible_kv import granule_size, unavailable_reason
-from extensible_kv._checks import check_bool
-from extensible_kv.integrations.vllm_support import check_vllm_version, installed_vllm
-from extensible_kv.kv import KVCache, OnDemandGrowth, allocate_kv_cache, at_capacity
-from extensible_kv.kv.elastic import ElasticBlocks
-from extensible_kv.kv.strided import segmentation
+from extensible_kv.integrations.vllm.seam import (
+    ElasticBlocks,
+    KVCache,
+    OnDemandGrowth,
+    allocate_kv_cache,
+    at_capacity,
+    check_bool,
+    granule_size,
+    segmentation,
+    unavailable_reason,
+)
+from extensible_kv.integrations.vllm.support import check_vllm_version, installed_vllm
 
 check_vllm_version(installed_vllm())
 
 from vllm import envs  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
-from extensible_kv.integrations import (  # noqa: E402
-    vllm_commit,
-    vllm_connectors,
-    vllm_sizing,
-    vllm_sleep,
-    vllm_state,
+from extensible_kv.integrations.vllm.client import client_pid, watch_client  # noqa: E402
+from extensible_kv.integrations.vllm.options import (  # noqa: E402
+    GROWTH_MODES,
+    OPTIONS,
+    Options,
+    options_of,
 )
-from extensible_kv.integrations.vllm_budget import set_floor_and_cap  # noqa: E402
-from extensible_kv.integrations.vllm_client import client_pid, watch_client  # noqa: E402
-from extensible_kv.integrations.vllm_elastic import ElasticSteps, elastic_driver  # noqa: E402
-from extensible_kv.integrations.vllm_handover import HandOver  # noqa: E402
-from extensible_kv.integrations.vllm_options import GROWTH_MODES, OPTIONS, options_of  # noqa: E402
-from extensible_kv.integrations.vllm_scheduler import ExtensibleKVScheduler  # noqa: E402
-from extensible_kv.integrations.vllm_state import STATE_KEYS  # noqa: E402
-from extensible_kv.integrations.vllm_steps import scheduled_block_ids  # noqa: E402
+from extensible_kv.integrations.vllm.worker import (  # noqa: E402
+    commit,
+    connectors,
+    sizing,
+    sleep,
+    state,
+)
+from extensible_kv.integrations.vllm.worker.budget import set_floor_and_cap  # noqa: E402
+from extensible_kv.integrations.vllm.worker.elastic import ElasticSteps, elastic_driver  # noqa: E402
+from extensible_kv.integrations.vllm.worker.handover import HandOver  # noqa: E402
+from extensible_kv.integrations.vllm.worker.state import STATE_KEYS  # noqa: E402
+from extensible_kv.integrations.vllm.worker.steps import scheduled_block_ids  # noqa: E402
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _VllmWorker
 else:
     from vllm.v1.worker.gpu_worker import Worker as _VllmWorker
 
-logger = logging.getLogger(__name__)
+#: The worker side's logger, the one name its messages go under (``sizing.py``'s too).
+logger = logging.getLogger("extensible_kv.integrations.vllm.worker")
 
-__all__ = ["GROWTH_MODES", "OPTIONS", "STATE_KEYS", "ExtensibleKVScheduler", "ExtensibleKVWorker"]
+__all__ = ["GROWTH_MODES", "OPTIONS", "STATE_KEYS", "ExtensibleKVWorker"]
 
 
 class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     """vLLM's worker with its KV cache on extensible-kv (see the module). It
-    owns the cache; each idea's rules live in a ``vllm_<idea>`` module beside
-    this one (sizing, commit, connectors, sleep, elastic, state)."""
+    owns the cache; each idea's rules live in a module beside this one
+    (sizing, commit, connectors, sleep, elastic, state)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: The ``extensible_kv`` options, checked once, here: a bad one stops
+        #: the worker before it allocates anything.
+        self._options: Options = options_of(self.vllm_config)
         self._kv: KVCache | None = None
         self._growth: OnDemandGrowth | None = None
         self._elastic: ElasticSteps | None = None
@@ -109,19 +123,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
 
     def init_device(self) -> None:
         """vLLM's, then the watch on the engine's client: an orphaned engine
-        shuts down and gives its memory back (``integrations/vllm_client.py``)."""
+        shuts down and gives its memory back (``integrations/vllm/client.py``)."""
         super().init_device()
         client = client_pid(envs.VLLM_PROCESS_NAME_PREFIX)
         if client is not None:
             watch_client(client)
 
-    # -- options ------------------------------------------------------------------
-
-    def _options(self) -> dict[str, Any]:
-        return options_of(self.vllm_config)
-
-    def _growth_mode(self) -> str:
-        return str(self._options().get("growth", "static"))
+    # -- growth -------------------------------------------------------------------
 
     def _growth_policy(self) -> OnDemandGrowth | ElasticBlocks | None:
         """What commits the KV cache beyond a prefix: on-demand growth, the
@@ -144,11 +152,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             return int(super().determine_available_memory())
         # Reserve at the capacity and commit the blocks warm-up needs.
         self.initialize_from_config(
-            vllm_sizing.warm_up_config(self.vllm_config, self.model_runner.get_kv_cache_spec())
+            sizing.warm_up_config(self.vllm_config, self.model_runner.get_kv_cache_spec())
         )
         assert self._kv is not None
-        vllm_sizing.warm_up(self.model_runner, self.compile_or_warm_up_model)
-        self._sizing = vllm_sizing.measured(*self._budget_and_used(), self._kv.buffers)
+        sizing.warm_up(self.model_runner, self.compile_or_warm_up_model)
+        self._sizing = sizing.measured(*self._budget_and_used(), self._kv.buffers)
         # vLLM's own way out of a KV cache made for profiling: the views go,
         # the reservation stays for the final count.
         self.model_runner._cleanup_profiling_kv_cache()
@@ -160,8 +168,8 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         device, or of the host's NUMA node) and what this worker uses now,
         in bytes."""
         if current_platform.is_cpu():
-            return vllm_sizing.cpu_budget_and_used(int(self.requested_cpu_memory))
-        return vllm_sizing.gpu_budget_and_used(
+            return sizing.cpu_budget_and_used(int(self.requested_cpu_memory))
+        return sizing.gpu_budget_and_used(
             self.device,
             self.cache_config.gpu_memory_utilization,
             int(self.init_snapshot.free_memory),
@@ -194,18 +202,18 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             super().initialize_from_config(kv_cache_config)
             return
         num_blocks = int(kv_cache_config.num_blocks)
-        capacity = vllm_sizing.capacity_blocks(
+        capacity = sizing.capacity_blocks(
             kv_cache_config,
             segmentation(kv_cache_config).size_bytes(1),
-            self._options().get("num_blocks_capacity"),
-            self._growth_mode(),
+            self._options.num_blocks_capacity,
+            self._options.growth,
             self.device,
         )
         layout = at_capacity(kv_cache_config, capacity)
-        runner_config = vllm_commit.for_runner(layout, num_blocks)
-        set_floor_and_cap(self.device, self._options())
-        vllm_connectors.check_connector_pool(self.vllm_config, runner_config)
-        elastic = self._growth_mode() == "elastic"
+        runner_config = commit.for_runner(layout, num_blocks)
+        set_floor_and_cap(self.device, self._options)
+        connectors.check_connector_pool(self.vllm_config, runner_config)
+        elastic = self._options.growth == "elastic"
         step_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
         kv = allocate_kv_cache(
             layout,
@@ -236,10 +244,10 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         """Commit vLLM's count (with on-demand growth, the first step) and
         let vLLM build and bind its views over the reservation."""
         assert self._kv is not None
-        growth = vllm_commit.commit_count(
+        growth = commit.commit_count(
             self._kv.buffers,
             int(runner_config.num_blocks),
-            self._growth_mode(),
+            self._options.growth,
             defragment=self._has_connector(),
         )
         self._growth = growth if isinstance(growth, OnDemandGrowth) else None
@@ -258,13 +266,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     def _commit_final(self, kv_cache_config: Any) -> None:
         """vLLM's final count, in the reservation the measuring warm-up ran in."""
         assert self._kv is not None
-        layout = vllm_commit.final_layout(
+        layout = commit.final_layout(
             kv_cache_config, self._kv.buffers.num_blocks_capacity, self._layout
         )
         self._provisional = False
         # Warm-up wrote into its blocks; vLLM's cache starts as zeros.
         self._kv.buffers.clear()
-        self._commit_and_hand_over(vllm_commit.for_runner(layout, int(kv_cache_config.num_blocks)))
+        self._commit_and_hand_over(commit.for_runner(layout, int(kv_cache_config.num_blocks)))
         logger.info(
             "extensible-kv: %d blocks committed after warm-up, under the same addresses",
             self._kv.buffers.num_blocks_committed,
@@ -283,13 +291,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         return self.vllm_config.kv_transfer_config is not None
 
     def _connector_name(self) -> str:
-        return vllm_connectors.connector_name(self.vllm_config.kv_transfer_config)
+        return connectors.connector_name(self.vllm_config.kv_transfer_config)
 
     # -- sleep and wake ----------------------------------------------------------
 
     def _release_kv(self, what: str) -> None:
         assert self._kv is not None
-        if vllm_sleep.release_kv(self._kv.buffers, self.vllm_config, what):
+        if sleep.release_kv(self._kv.buffers, self.vllm_config, what):
             self._connector_unregistered = True
 
     def sleep(self, level: int = 1) -> None:
@@ -301,7 +309,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             return
         if level >= 1:
             self._release_kv(f"sleep(level={level})")
-        if vllm_sleep.parent_sleeps(self.vllm_config):
+        if sleep.parent_sleeps(self.vllm_config):
             super().sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -313,19 +321,20 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if tags is None or "kv_cache" in tags:
             self._wake_kv()
             if self._connector_unregistered:  # the memory is back: register it again
-                vllm_connectors.connector_of(self.vllm_config).restore_kv_caches()
+                connectors.connector_of(self.vllm_config).restore_kv_caches()
                 self._connector_unregistered = False
-        if vllm_sleep.parent_sleeps(self.vllm_config):
+        if sleep.parent_sleeps(self.vllm_config):
             super().wake_up(tags)
 
     def _wake_kv(self, wait_s: float | None = None) -> None:
-        """Commit the KV cache again (see :func:`~extensible_kv.integrations.vllm_sleep.wake_kv`),
-        waiting up to ``wait_s`` seconds (default: the ``budget_wait_s``
-        option) for room under a device budget."""
+        """Commit the KV cache again (see
+        :func:`~extensible_kv.integrations.vllm.worker.sleep.wake_kv`), waiting
+        up to ``wait_s`` seconds (default: the ``budget_wait_s`` option) for
+        room under a device budget."""
         assert self._kv is not None
         if wait_s is None:
-            wait_s = float(self._options().get("budget_wait_s", 0))
-        vllm_sleep.wake_kv(self._kv.buffers, self._growth_policy(), wait_s)
+            wait_s = self._options.budget_wait_s
+        sleep.wake_kv(self._kv.buffers, self._growth_policy(), wait_s)
 
     def discard(self, tags: tuple[str, ...]) -> None:
         """Drop tagged memory without a backup: ``"kv_cache"`` releases the
@@ -364,7 +373,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         """
         check_bool("preserve", preserve)
         kv = self._managed("sleep_kv_cache")
-        vllm_sleep.check_preserving_sleep(
+        sleep.check_preserving_sleep(
             preserve,
             elastic=self._elastic is not None,
             connector=self._connector_name() if self._has_connector() else None,
@@ -391,15 +400,16 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         Call it after ``llm.reset_prefix_cache()``: vLLM's prefix cache may
         name any block, and a trimmed block reads zero when it comes back.
         Blocks of running requests are never trimmed (a smaller count is a
-        ValueError naming them; see :func:`~extensible_kv.integrations.vllm_sleep.blocks_in_use`).
+        ValueError naming them; see
+        :func:`~extensible_kv.integrations.vllm.worker.sleep.blocks_in_use`).
         """
         self._managed("trim_kv_cache")
-        growth = vllm_sleep.trimmable(self._growth, elastic=self._elastic is not None)
-        in_use = vllm_sleep.blocks_in_use(
+        growth = sleep.trimmable(self._growth, elastic=self._elastic is not None)
+        in_use = sleep.blocks_in_use(
             getattr(self.model_runner, "requests", {}),
             int(self.vllm_config.model_config.max_model_len),
         )
-        return vllm_sleep.trim_to(growth, num_blocks, in_use)
+        return sleep.trim_to(growth, num_blocks, in_use)
 
     # -- the step ------------------------------------------------------------------
 
@@ -445,11 +455,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
     def extensible_kv_state(self) -> dict[str, Any]:
         """This worker's KV cache, for ``llm.collective_rpc("extensible_kv_state")``:
         :data:`STATE_KEYS` (bytes, blocks, addresses, ``asleep``, ``growth``,
-        ``sizing``; each told at :func:`~extensible_kv.integrations.vllm_state.kv_state`)
+        ``sizing``; each told at :func:`~extensible_kv.integrations.vllm.worker.state.kv_state`)
         and ``enabled``, False where the worker fell back to vLLM's
         allocation (every figure then 0)."""
         if self._kv is None:
-            return vllm_state.fallback_state()
-        return vllm_state.kv_state(
-            self._kv.buffers, self._growth_policy(), self._growth_mode(), self._sizing
+            return state.fallback_state()
+        return state.kv_state(
+            self._kv.buffers, self._growth_policy(), self._options.growth, self._sizing
         )

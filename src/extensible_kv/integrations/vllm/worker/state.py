@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from extensible_kv.kv import KVCacheBuffers, OnDemandGrowth
-from extensible_kv.kv.elastic import ElasticBlocks
+from extensible_kv.integrations.vllm.seam import ElasticBlocks, KVCacheBuffers, OnDemandGrowth
 
 __all__ = ["STATE_KEYS", "fallback_state", "kv_state"]
 

@@ -1,8 +1,10 @@
 """The options ``LLM(..., additional_config={"extensible_kv": {...}})`` takes,
-parsed once for the worker and the scheduler."""
+parsed once, when the worker or the scheduler is made, into an
+:class:`Options` that each keeps and passes on."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 #: The options ``additional_config["extensible_kv"]`` takes.
@@ -14,13 +16,43 @@ OPTIONS = (
 GROWTH_MODES = ("static", "on_demand", "elastic")
 #: What ``scheduler_cls`` names for ``growth: "elastic"``.
 SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"
+#: The class attribute, true, that marks a scheduler as ours (or a subclass
+#: of ours): it sends the workers the orders elastic growth follows. The
+#: check reads the mark, so this module needs no import of the scheduler.
+SCHEDULER_MARK = "sends_elastic_orders"
+
+__all__ = ["GROWTH_MODES", "OPTIONS", "SCHEDULER", "SCHEDULER_MARK", "Options", "options_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The ``extensible_kv`` options of one engine, checked (see the module).
+
+    Attributes:
+        num_blocks_capacity: blocks to reserve address space for, as given
+            (None: as many as the device's memory holds); checked against
+            vLLM's block count when the worker reserves.
+        growth: one of :data:`GROWTH_MODES`.
+        budget_wait_s: seconds a wake may wait for room under the device's budget.
+        cache_bytes: with ``growth`` ``"elastic"``, the most bytes kept for
+            the prefix cache (None: the scheduler's default).
+        floor_bytes: the bytes this rank's budget keeps for it.
+        cap_bytes: the most bytes this rank may claim (None: no cap).
+    """
+
+    num_blocks_capacity: object = None
+    growth: str = "static"
+    budget_wait_s: float = 0.0
+    cache_bytes: int | None = None
+    floor_bytes: int = 0
+    cap_bytes: int | None = None
 
 
 def _option_error(name: str, value: object, rule: str) -> ValueError:
     return ValueError(f"additional_config['extensible_kv'][{name!r}] is {value!r}; {rule}")
 
 
-def options_of(vllm_config: Any) -> dict[str, Any]:
+def options_of(vllm_config: Any) -> Options:
     """The ``extensible_kv`` options of ``vllm_config``, checked; a
     ValueError names the rule an option breaks."""
     extra = vllm_config.additional_config or {}
@@ -50,7 +82,7 @@ def options_of(vllm_config: Any) -> dict[str, Any]:
         raise _option_error(
             "cache_bytes", cache, "it bounds the prefix cache of growth 'elastic' only"
         )
-    _check_floor_and_cap(options)
+    floor, cap = _floor_and_cap(options)
     if growth in ("on_demand", "elastic") and vllm_config.kv_transfer_config is not None:
         raise _option_error(
             "growth",
@@ -60,12 +92,19 @@ def options_of(vllm_config: Any) -> dict[str, Any]:
         )
     if growth == "elastic":
         check_scheduler(vllm_config)
-    return options
+    return Options(
+        num_blocks_capacity=options.get("num_blocks_capacity"),
+        growth=growth,
+        budget_wait_s=float(wait),
+        cache_bytes=cache,
+        floor_bytes=floor,
+        cap_bytes=cap,
+    )
 
 
-def _check_floor_and_cap(options: dict[str, Any]) -> None:
+def _floor_and_cap(options: dict[str, Any]) -> tuple[int, int | None]:
     """``floor_bytes`` (an int, 0 or more) and ``cap_bytes`` (an int, 1 or
-    more), the floor not above the cap."""
+    more, or None), the floor not above the cap."""
     floor, cap = options.get("floor_bytes", 0), options.get("cap_bytes")
     if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
         raise _option_error(
@@ -79,20 +118,21 @@ def _check_floor_and_cap(options: dict[str, Any]) -> None:
         )
     if cap is not None and floor > cap:
         raise _option_error("floor_bytes", floor, f"it is above cap_bytes ({cap})")
+    return floor, cap
+
+
+def _is_ours(scheduler: object) -> bool:
+    """Whether ``scheduler`` is a class carrying :data:`SCHEDULER_MARK`."""
+    return isinstance(scheduler, type) and getattr(scheduler, SCHEDULER_MARK, False) is True
 
 
 def check_scheduler(vllm_config: Any) -> None:
     """Refuse ``growth: "elastic"`` without our scheduler, in one line."""
     chosen = vllm_config.scheduler_config.scheduler_cls
-    from extensible_kv.integrations.vllm_scheduler import ExtensibleKVScheduler
-
     if chosen is None or not (
         chosen == SCHEDULER
-        or (isinstance(chosen, type) and issubclass(chosen, ExtensibleKVScheduler))
-        or (
-            isinstance(chosen, str)
-            and issubclass(vllm_config.scheduler_config.get_scheduler_cls(), ExtensibleKVScheduler)
-        )
+        or _is_ours(chosen)
+        or (isinstance(chosen, str) and _is_ours(vllm_config.scheduler_config.get_scheduler_cls()))
     ):
         raise ValueError(
             f"additional_config['extensible_kv']['growth'] 'elastic' needs "

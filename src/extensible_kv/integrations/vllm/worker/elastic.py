@@ -2,7 +2,7 @@
 what the scheduler's orders say (:class:`~extensible_kv.kv.elastic.ElasticOrders`,
 on the step's ``SchedulerOutput``), and answer with a report
 (:class:`~extensible_kv.kv.elastic.ElasticReport`) on the step's output. The
-scheduler's side is :mod:`extensible_kv.integrations.vllm_scheduler`."""
+scheduler's side is :mod:`extensible_kv.integrations.vllm.scheduler.scheduler`."""
 
 from __future__ import annotations
 
@@ -16,11 +16,18 @@ from typing import Any
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
-from extensible_kv.devices import get_driver, without_wants
-from extensible_kv.driver import Driver, PoolingDriver
-from extensible_kv.integrations.vllm_steps import scheduled_block_ids
-from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport
-from extensible_kv.kv.strided import segmentation
+from extensible_kv.integrations.vllm.seam import (
+    Driver,
+    ElasticBlocks,
+    ElasticOrders,
+    ElasticReport,
+    PoolingDriver,
+    accounting_of,
+    get_driver,
+    segmentation,
+    without_wants,
+)
+from extensible_kv.integrations.vllm.worker.steps import scheduled_block_ids
 
 __all__ = ["ElasticSteps", "elastic_driver", "pool_bytes"]
 
@@ -128,8 +135,7 @@ class ElasticSteps:
         if self._told_ledgers:
             return report
         self._told_ledgers = True
-        tensor = self.blocks.buffers.tensors[0][0]
-        accounting = tensor.buffer.driver.accounting(tensor.buffer.device)
+        accounting = accounting_of(self.blocks.buffers)
         mine = () if accounting is None else ((*accounting, os.getpid()),)
         from vllm.distributed.parallel_state import get_tp_group
 

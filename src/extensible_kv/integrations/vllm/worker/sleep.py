@@ -11,16 +11,19 @@ from typing import Any
 
 from vllm.platforms import current_platform
 
-from extensible_kv import waiting_for_budget
-from extensible_kv._checks import check_int
-from extensible_kv.integrations.vllm_connectors import (
+from extensible_kv.integrations.vllm.seam import (
+    ElasticBlocks,
+    KVCacheBuffers,
+    OnDemandGrowth,
+    check_int,
+    waiting_for_budget,
+)
+from extensible_kv.integrations.vllm.worker.connectors import (
     connector_name,
     connector_of,
     release_refusal,
 )
-from extensible_kv.integrations.vllm_steps import ended
-from extensible_kv.kv import KVCacheBuffers, OnDemandGrowth
-from extensible_kv.kv.elastic import ElasticBlocks
+from extensible_kv.integrations.vllm.worker.steps import ended
 
 __all__ = [
     "blocks_in_use",
@@ -45,7 +48,7 @@ def release_kv(buffers: KVCacheBuffers, vllm_config: Any, what: str) -> bool:
     and, on a failure, its ``restore_kv_caches()``. Returns whether the
     connector's registration was taken: the caller restores it once the
     memory is back. ``what`` (the call releasing) names a refusal
-    (:func:`~extensible_kv.integrations.vllm_connectors.release_refusal`), a
+    (:func:`~extensible_kv.integrations.vllm.worker.connectors.release_refusal`), a
     RuntimeError."""
     connector = connector_of(vllm_config)
     if connector is None:

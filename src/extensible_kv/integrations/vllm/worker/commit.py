@@ -9,8 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from extensible_kv.kv import KVCacheBuffers, OnDemandGrowth, at_capacity
-from extensible_kv.kv.elastic import ElasticBlocks
+from extensible_kv.integrations.vllm.seam import (
+    ElasticBlocks,
+    KVCacheBuffers,
+    OnDemandGrowth,
+    at_capacity,
+)
 
 __all__ = ["commit_count", "final_layout", "for_runner"]
 

@@ -3,7 +3,7 @@ change (``growth: "elastic"``): which units are empty, highest first (the
 next to go back), and which hold only cached blocks, the one used longest
 ago first (the next to lose their cache), with the blocks those take.
 
-:class:`~extensible_kv.integrations.vllm_free_queue.PackedFreeQueue` tells
+:class:`~extensible_kv.integrations.vllm.scheduler.free_queue.PackedFreeQueue` tells
 :class:`UnitIndex` of every block that changes state (one call a block, or
 one a run of units that come into or go out of circulation); the index
 updates the unit in O(1) (O(blocks per unit) when a unit's newest cached

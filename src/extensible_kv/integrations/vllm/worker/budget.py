@@ -6,25 +6,23 @@ anything; they go when the process does."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
-from extensible_kv.budget import Ledger, state_dir
-from extensible_kv.devices import resolve_device
+from extensible_kv.integrations.vllm.options import Options
+from extensible_kv.integrations.vllm.seam import ledger_of
 
 logger = logging.getLogger(__name__)
 
 
-def set_floor_and_cap(device: torch.device, options: dict[str, Any]) -> None:
+def set_floor_and_cap(device: torch.device, options: Options) -> None:
     """Give this process ``options``' floor and cap on ``device``'s budget,
     if it names either. A floor the limit cannot hold beside the others'
     raises ValueError, and the engine does not start."""
-    floor, cap = int(options.get("floor_bytes", 0)), options.get("cap_bytes")
+    floor, cap = options.floor_bytes, options.cap_bytes
     if not floor and cap is None:
         return
-    device, driver = resolve_device(device, None)
-    ledger = Ledger(state_dir(), driver.device_uuid(device.index or 0))
+    ledger = ledger_of(device)
     try:
         written = ledger.set_floor_and_cap(floor, cap)
     finally:
