@@ -395,8 +395,8 @@ class StandInWorker:
         from extensible_kv.integrations.vllm.worker import commit
         from extensible_kv.integrations.vllm.worker.elastic import ElasticSteps
         from extensible_kv.kv import allocate_kv_cache, at_capacity
-        from extensible_kv.kv.elastic import ElasticBlocks
-        from extensible_kv.kv.strided import layer_layouts
+        from extensible_kv.kv.growth.elastic import ElasticBlocks
+        from extensible_kv.kv.layouts.strided import layer_layouts
 
         config = kv_cache_configs
         if isinstance(config, list):
@@ -455,7 +455,7 @@ class StandInWorker:
 
     def held_blocks(self) -> set[int]:
         """Blocks of the units the worker holds (every block without elastic growth)."""
-        from extensible_kv.kv.elastic import units_of
+        from extensible_kv.kv.growth.elastic import units_of
 
         if self.steps is None:
             return set(range(self.num_blocks))

@@ -1,4 +1,4 @@
-"""Elastic memory (kv/elastic.py): a cache holds exactly the units a
+"""Elastic memory (kv/growth/elastic.py): a cache holds exactly the units a
 scheduler orders, any of them, and gives back every granule no held unit
 touches, holes included."""
 
@@ -21,8 +21,8 @@ from extensible_kv import (
 from extensible_kv.driver import Driver
 from extensible_kv.integrations.vllm.worker.state import kv_state
 from extensible_kv.kv import KVCacheBuffers, SleepState
-from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ranges_of, units_of
-from extensible_kv.kv.published import published
+from extensible_kv.kv.cache.published import published
+from extensible_kv.kv.growth.elastic import ElasticBlocks, ElasticOrders, ranges_of, units_of
 from faults import Fault, attempt
 from test_growth import fill, reads
 from test_kv_buffers import CAPACITY, make_cache

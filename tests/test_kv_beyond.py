@@ -17,8 +17,8 @@ from extensible_kv import ExtensibleTensor, StatisticsDriver
 from extensible_kv.driver import LiveUsage
 from extensible_kv.driver.adaptors import DriverAdaptor
 from extensible_kv.kv import KVCacheBuffers
-from extensible_kv.kv.backup import HostBackup, Restorer
-from extensible_kv.kv.buffers import CommitTicket
+from extensible_kv.kv.cache.backup import HostBackup, Restorer
+from extensible_kv.kv.cache.core import CommitTicket
 
 MiB = 1 << 20
 

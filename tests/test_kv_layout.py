@@ -23,7 +23,7 @@ from extensible_kv.kv import (
     allocate_kv_cache,
     attention_geometry,
 )
-from extensible_kv.kv.layout import find_block_dim
+from extensible_kv.kv.layouts.block_layout import find_block_dim
 
 SPEC = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
 # 1024 blocks of 4 KiB per segment: each segment spans 2 granules of 2 MiB,

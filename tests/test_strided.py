@@ -26,7 +26,7 @@ from extensible_kv.kv import (
     allocate_kv_cache,
     at_capacity,
 )
-from extensible_kv.kv.strided import is_strided, segmentation
+from extensible_kv.kv.layouts.strided import is_strided, segmentation
 
 SPEC = AttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16)
 PAGE = SPEC.page_size_bytes  # 4 KiB

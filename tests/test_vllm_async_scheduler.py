@@ -69,7 +69,7 @@ from extensible_kv.integrations.vllm.scheduler.scheduler import (
     ExtensibleKVScheduler,
 )
 from extensible_kv.integrations.vllm.worker.elastic import ElasticSteps, elastic_driver, pool_bytes
-from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport, units_of
+from extensible_kv.kv.growth.elastic import ElasticBlocks, ElasticOrders, ElasticReport, units_of
 
 BLOCK_SIZE = 16
 #: A 256 KiB page per block (one layer, 16 heads of 256, fp16, K and V):

@@ -17,7 +17,7 @@ from extensible_kv.kv import (
     KVSplitBackend,
     allocate_kv_cache,
 )
-from extensible_kv.kv.layout import find_block_dim
+from extensible_kv.kv.layouts.block_layout import find_block_dim
 
 SPEC = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
 CAPACITY = 1024

@@ -41,7 +41,7 @@ from extensible_kv.integrations.vllm.scheduler.plan import (
     RELEASE_PER_STEP,
     ElasticPlan,
 )
-from extensible_kv.kv.elastic import ElasticOrders, ElasticReport, units_of
+from extensible_kv.kv.growth.elastic import ElasticOrders, ElasticReport, units_of
 
 NUM_BLOCKS = 70  # 9 units of 8, the last one short
 PER_UNIT = 8

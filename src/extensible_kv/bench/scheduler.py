@@ -431,7 +431,7 @@ class _Side:
         and ours's orders answered, every wanted unit granted."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        from extensible_kv.kv.elastic import ElasticReport, units_of
+        from extensible_kv.kv.growth.elastic import ElasticReport, units_of
 
         ids = list(output.num_scheduled_tokens)
         requests = self.scheduler.requests
@@ -792,7 +792,7 @@ def _burst_cache(
     """An elastic cache of ``units`` one-block units over ``segments``
     segments on ``driver``, and its burst."""
     from extensible_kv.kv import KVCacheBuffers
-    from extensible_kv.kv.elastic import ElasticBlocks
+    from extensible_kv.kv.growth.elastic import ElasticBlocks
     from extensible_kv.tensor import ExtensibleTensor
 
     granule = driver.granularity(0, False)
@@ -821,7 +821,7 @@ class _Burst:
         blocks.start()
 
     def commit(self) -> None:
-        from extensible_kv.kv.elastic import ElasticOrders
+        from extensible_kv.kv.growth.elastic import ElasticOrders
 
         wanted = ((1, self.units + 1),)
         self.blocks.apply(
@@ -831,7 +831,7 @@ class _Burst:
         )
 
     def give_back(self) -> None:
-        from extensible_kv.kv.elastic import ElasticOrders
+        from extensible_kv.kv.growth.elastic import ElasticOrders
 
         self.blocks.apply(
             ElasticOrders(next(self.seq), 1, held=((0, 1),), keep_idle=self.keep_idle)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from extensible_kv.kv.spec import AttentionSpec
+from extensible_kv.kv.layouts.spec import AttentionSpec
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from extensible_kv.integrations.transformers_layers import (
     ExtensibleStaticLayer,
     Lockstep,
 )
-from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.kv.cache.core import KVCacheBuffers
 
 __all__ = ["ExtensibleCache", "ExtensibleLayer", "ExtensibleStaticLayer"]
 

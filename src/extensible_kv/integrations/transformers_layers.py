@@ -15,7 +15,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from extensible_kv._checks import round_up
 from extensible_kv.driver import Driver
-from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.kv.cache.core import KVCacheBuffers
 from extensible_kv.tensor import ExtensibleTensor
 
 __all__ = ["ExtensibleLayer", "ExtensibleStaticLayer", "Lockstep"]

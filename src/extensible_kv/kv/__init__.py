@@ -1,5 +1,7 @@
-"""The KV cache: lockstep buffers, layouts, allocation from a description,
-narrowing for connectors, and sizing after warm-up."""
+"""The KV cache by idea: the cache and its parts (``cache/``), layouts
+(``layouts/``), growth policies (``growth/``); beside them, allocation
+from a description (``allocate.py``, ``builder.py``) and sizing after
+warm-up (``sizing.py``, ``ranks.py``, ``runner.py``)."""
 
 from extensible_kv.kv.allocate import (
     KVCache,
@@ -7,16 +9,39 @@ from extensible_kv.kv.allocate import (
     allocate_kv_cache,
     narrow_to_num_blocks,
 )
-from extensible_kv.kv.backup import HostBackup
-from extensible_kv.kv.buffers import (
+from extensible_kv.kv.builder import ExtensibleKVCacheBuilder
+from extensible_kv.kv.cache import (
+    CommitTicket,
     ConnectorRegistrationWarning,
     ExtensibleKVCacheBuffers,
+    HostBackup,
     KVCacheBuffers,
+    SleepState,
 )
-from extensible_kv.kv.builder import ExtensibleKVCacheBuilder
-from extensible_kv.kv.commit_ticket import CommitTicket
-from extensible_kv.kv.growth import OnDemandGrowth
-from extensible_kv.kv.layout import BlockLayout, Geometry, attention_geometry, place
+from extensible_kv.kv.growth import (
+    ElasticBlocks,
+    ElasticOrders,
+    ElasticReport,
+    OnDemandGrowth,
+    UnitRanges,
+)
+from extensible_kv.kv.layouts import (
+    AttentionBackend,
+    AttentionSpec,
+    BlockLayout,
+    BlockMajorBackend,
+    Geometry,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheTensor,
+    KVFirstBlockMajorBackend,
+    KVSplitBackend,
+    MambaSpec,
+    StridedKVCacheTensor,
+    at_capacity,
+    attention_geometry,
+    place,
+)
 from extensible_kv.kv.ranks import agree_num_blocks
 from extensible_kv.kv.runner import (
     WarmupMeter,
@@ -31,20 +56,6 @@ from extensible_kv.kv.sizing import (
     MemorySnapshot,
     size_kv_cache,
 )
-from extensible_kv.kv.sleep import SleepState
-from extensible_kv.kv.spec import (
-    AttentionBackend,
-    AttentionSpec,
-    BlockMajorBackend,
-    KVCacheConfig,
-    KVCacheGroup,
-    KVCacheTensor,
-    KVFirstBlockMajorBackend,
-    KVSplitBackend,
-    MambaSpec,
-    StridedKVCacheTensor,
-)
-from extensible_kv.kv.strided import at_capacity
 
 __all__ = [
     "AttentionBackend",
@@ -53,6 +64,9 @@ __all__ = [
     "BlockMajorBackend",
     "CommitTicket",
     "ConnectorRegistrationWarning",
+    "ElasticBlocks",
+    "ElasticOrders",
+    "ElasticReport",
     "ExtensibleKVCacheBuffers",
     "ExtensibleKVCacheBuilder",
     "Geometry",
@@ -72,6 +86,7 @@ __all__ = [
     "OnDemandGrowth",
     "SleepState",
     "StridedKVCacheTensor",
+    "UnitRanges",
     "WarmupMeter",
     "agree_num_blocks",
     "allocate_kv_cache",

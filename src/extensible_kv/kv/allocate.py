@@ -12,8 +12,8 @@ import torch
 from extensible_kv._checks import check_int
 from extensible_kv.dlpack import as_tensor
 from extensible_kv.driver import Driver
-from extensible_kv.kv.buffers import KVCacheBuffers
-from extensible_kv.kv.layout import (
+from extensible_kv.kv.cache.core import KVCacheBuffers
+from extensible_kv.kv.layouts.block_layout import (
     BlockLayout,
     attention_geometry,
     blocks_per_kv_block,
@@ -21,8 +21,8 @@ from extensible_kv.kv.layout import (
     mamba_layouts,
     place,
 )
-from extensible_kv.kv.spec import is_mamba
-from extensible_kv.kv.strided import is_strided, layer_layouts, segmentation
+from extensible_kv.kv.layouts.spec import is_mamba
+from extensible_kv.kv.layouts.strided import is_strided, layer_layouts, segmentation
 from extensible_kv.tensor import ExtensibleTensor
 
 #: A layer's view: one tensor for attention, one per state for Mamba.
@@ -282,7 +282,7 @@ def allocate_kv_cache(
 
 def _allocate_strided(config: Any, make: dict[str, Any]) -> KVCache:
     """vLLM 0.32's description: one backing buffer, its segments as
-    :func:`~extensible_kv.kv.strided.segmentation` finds them."""
+    :func:`~extensible_kv.kv.layouts.strided.segmentation` finds them."""
     capacity = config.num_blocks
     split = segmentation(config)
     layouts = layer_layouts(config)

@@ -7,7 +7,7 @@ import torch
 
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.driver import Driver
-from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.kv.cache.core import KVCacheBuffers
 from extensible_kv.tensor import ExtensibleTensor
 
 

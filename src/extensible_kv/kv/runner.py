@@ -28,7 +28,8 @@ import torch
 
 from extensible_kv._checks import check_int
 from extensible_kv.kv.allocate import KVCache, LayerView
-from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.kv.cache.core import KVCacheBuffers
+from extensible_kv.kv.layouts.spec import is_mamba
 from extensible_kv.kv.ranks import agree_num_blocks
 from extensible_kv.kv.sizing import (
     DEFAULT_MARGIN_BYTES,
@@ -37,7 +38,6 @@ from extensible_kv.kv.sizing import (
     MemorySnapshot,
     size_kv_cache,
 )
-from extensible_kv.kv.spec import is_mamba
 
 _Config = TypeVar("_Config")
 

@@ -28,8 +28,8 @@ from extensible_kv.kv import (
     allocate_kv_cache,
     at_capacity,
 )
-from extensible_kv.kv.elastic import ElasticBlocks, ElasticOrders, ElasticReport, UnitRanges
-from extensible_kv.kv.strided import segmentation
+from extensible_kv.kv.growth import ElasticBlocks, ElasticOrders, ElasticReport, UnitRanges
+from extensible_kv.kv.layouts import segmentation
 
 __all__ = [
     "Driver",

@@ -8,7 +8,7 @@ the ledgers its workers named in their first report, and gives back blocks
 no running request holds (the prefix cache's, least recently used first,
 then free ones) until the want is met, never below the engine's floor.
 An engine refused itself lends its own prefix cache before its claims
-post a want (:class:`~extensible_kv.kv.elastic.ElasticOrders`'
+post a want (:class:`~extensible_kv.kv.growth.elastic.ElasticOrders`'
 ``ask_others``).
 """
 

@@ -13,10 +13,10 @@ vLLM's :class:`Scheduler` (chosen with vLLM's ``scheduler_cls``, no patch)
 keeps the blocks in use and the cached ones packed in as few **units**
 (about a granule's worth of consecutive block ids) as it can, and sends every
 worker, on the :class:`SchedulerOutput` vLLM already sends each step, the
-:class:`~extensible_kv.kv.elastic.ElasticOrders`: the units the step may use
+:class:`~extensible_kv.kv.growth.elastic.ElasticOrders`: the units the step may use
 and the units to commit ahead (what the requests need, and one step's
 token budget more while requests run). Workers answer on the output they
-return (:class:`~extensible_kv.kv.elastic.ElasticReport`).
+return (:class:`~extensible_kv.kv.growth.elastic.ElasticReport`).
 
 How the blocks are handed out (lowest id first, only blocks of committed
 units, the prefix cache within ``cache_bytes``) is the block pool's free

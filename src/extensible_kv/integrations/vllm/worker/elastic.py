@@ -1,7 +1,7 @@
 """The worker's side of ``growth: "elastic"``: before each vLLM step, hold
-what the scheduler's orders say (:class:`~extensible_kv.kv.elastic.ElasticOrders`,
+what the scheduler's orders say (:class:`~extensible_kv.kv.growth.elastic.ElasticOrders`,
 on the step's ``SchedulerOutput``), and answer with a report
-(:class:`~extensible_kv.kv.elastic.ElasticReport`) on the step's output. The
+(:class:`~extensible_kv.kv.growth.elastic.ElasticReport`) on the step's output. The
 scheduler's side is :mod:`extensible_kv.integrations.vllm.scheduler.scheduler`."""
 
 from __future__ import annotations

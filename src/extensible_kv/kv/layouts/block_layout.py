@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv.kv.spec import is_mamba
+from extensible_kv.kv.layouts.spec import is_mamba
 
 #: Two block counts no backend dim is likely to equal: the dim whose extent
 #: follows the block count is the block dim.

@@ -5,7 +5,7 @@ in a host copy (a preserving sleep); or partly awake, after a commit while
 asleep woke only the blocks it asked for, so that the next wake grows it
 back to the count it slept at. :class:`Sleep` holds all of it in one frozen
 value, and each transition below makes the next one: a cache keeps
-exactly one (in its :class:`~extensible_kv.kv.sleep_wake.SleepWake`), so no
+exactly one (in its :class:`~extensible_kv.kv.cache.sleep_wake.SleepWake`), so no
 combination of fields can disagree with another.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from extensible_kv.kv.backup import HostBackup
+from extensible_kv.kv.cache.backup import HostBackup
 
 __all__ = ["Sleep", "SleepState"]
 
@@ -34,7 +34,7 @@ class Sleep:
 
     ``asleep_at``: the blocks it held when it went to sleep (None: awake).
     ``backup``: the host copy of them, after a preserving sleep (owned by
-    the cache's :class:`~extensible_kv.kv.sleep_wake.SleepWake`; None
+    the cache's :class:`~extensible_kv.kv.cache.sleep_wake.SleepWake`; None
     otherwise). ``wake_to``: the block count the next wake grows to, once a
     commit while asleep woke part of the cache (None: the count slept at);
     a cache partly awake may sleep again and keep it.

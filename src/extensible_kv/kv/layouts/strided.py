@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv.kv.layout import BlockLayout
+from extensible_kv.kv.layouts.block_layout import BlockLayout
 
 
 def is_strided(config: Any) -> bool:

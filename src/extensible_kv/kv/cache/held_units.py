@@ -1,6 +1,6 @@
 """The units of blocks an elastic cache holds outside its committed prefix.
 
-:class:`~extensible_kv.kv.elastic.ElasticBlocks` commits and gives back
+:class:`~extensible_kv.kv.growth.elastic.ElasticBlocks` commits and gives back
 units anywhere in a cache; its books are this object, which the cache
 (:class:`~extensible_kv.kv.KVCacheBuffers`) owns, so that what the cache
 reports (its committed blocks, what ``extensible-kv top`` shows), what a

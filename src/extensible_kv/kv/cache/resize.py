@@ -10,7 +10,7 @@ cache's tensors.
 :meth:`~extensible_kv.kv.KVCacheBuffers.add_all`: it refuses what would
 change memory a connector registered, wakes a sleeping cache that a commit
 needs, and then grows, remaps or shrinks the
-:class:`~extensible_kv.kv.block_tensors.BlockTensors`. The cache checks first, under
+:class:`~extensible_kv.kv.cache.block_tensors.BlockTensors`. The cache checks first, under
 its lock, that it is alive (and awake, where a call needs it) and that a
 block count is within its capacity.
 """
@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extensible_kv._checks import check_int
-from extensible_kv.kv import members
-from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES
-from extensible_kv.kv.block_tensors import BlockTensors
-from extensible_kv.kv.registrations import Registrations
-from extensible_kv.kv.sleep_wake import SleepWake
+from extensible_kv.kv.cache import members
+from extensible_kv.kv.cache.backup import DEFAULT_STAGING_BYTES
+from extensible_kv.kv.cache.block_tensors import BlockTensors
+from extensible_kv.kv.cache.registrations import Registrations
+from extensible_kv.kv.cache.sleep_wake import SleepWake
 from extensible_kv.tensor import ExtensibleTensor, defragment_all
 
 __all__ = ["Resizer"]

@@ -5,9 +5,9 @@ memory.
 :class:`SleepWake` does the work of
 :meth:`~extensible_kv.kv.KVCacheBuffers.release_physical` and
 :meth:`~extensible_kv.kv.KVCacheBuffers.recommit` on the cache's
-:class:`~extensible_kv.kv.block_tensors.BlockTensors`, and owns the host copies
+:class:`~extensible_kv.kv.cache.block_tensors.BlockTensors`, and owns the host copies
 involved: the one a preserving sleep makes (kept in the cache's
-:class:`~extensible_kv.kv.sleep.Sleep` value until the wake restores it) and
+:class:`~extensible_kv.kv.cache.sleep.Sleep` value until the wake restores it) and
 the one a wake keeps for the next sleep. The cache checks what a call may
 do (alive, block counts, connector registrations) under its lock first.
 """
@@ -15,9 +15,9 @@ do (alive, block counts, connector registrations) under its lock first.
 from __future__ import annotations
 
 from extensible_kv.buffer import synchronize_buffers
-from extensible_kv.kv.backup import HostBackup
-from extensible_kv.kv.block_tensors import BlockTensors
-from extensible_kv.kv.sleep import Sleep, SleepState
+from extensible_kv.kv.cache.backup import HostBackup
+from extensible_kv.kv.cache.block_tensors import BlockTensors
+from extensible_kv.kv.cache.sleep import Sleep, SleepState
 
 __all__ = ["SleepWake"]
 

@@ -23,7 +23,7 @@ unmaps whole mappings), so the buffers are allocated with ``chunk_bytes``
 equal to their granularity.
 
 The memory held this way is not the buffers' committed prefix, which stays
-0, but the cache keeps the books of it (``kv/held_units.py``): it counts
+0, but the cache keeps the books of it (``kv/cache/held_units.py``): it counts
 the held blocks as its committed ones, a sleep (``release_physical``, which
 refuses to preserve them) and ``clear()`` give them back like any other,
 and :meth:`ElasticBlocks.wake` commits unit 0 again; the next orders commit
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from extensible_kv._checks import check_int
 from extensible_kv.buffer import Transaction, release_outside_together
 from extensible_kv.driver import OutOfMemoryError
-from extensible_kv.kv.buffers import KVCacheBuffers
-from extensible_kv.kv.commit_queue import serialized
-from extensible_kv.kv.held_units import ranges_of
+from extensible_kv.kv.cache.commit_queue import serialized
+from extensible_kv.kv.cache.core import KVCacheBuffers
+from extensible_kv.kv.cache.held_units import ranges_of
 from extensible_kv.tensor import commit_ranges_all
 
 __all__ = [

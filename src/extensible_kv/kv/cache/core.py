@@ -2,12 +2,12 @@
 
 The cache checks each call and runs it under its lock, in the order issued;
 the work is done by parts it owns, one idea each: its tensors and the blocks
-they hold (``kv/block_tensors.py``; who may join, ``kv/members.py``), growth,
-trim and defragment (``kv/resize.py``), sleep and wake with their host
-copies (``kv/sleep_wake.py``), KV connector registrations
-(``kv/registrations.py``), background commits (``kv/commit_queue.py``) and
-the units of blocks an :class:`~extensible_kv.kv.elastic.ElasticBlocks`
-holds outside the prefix (``kv/held_units.py``).
+they hold (``kv/cache/block_tensors.py``; who may join, ``kv/cache/members.py``), growth,
+trim and defragment (``kv/cache/resize.py``), sleep and wake with their host
+copies (``kv/cache/sleep_wake.py``), KV connector registrations
+(``kv/cache/registrations.py``), background commits (``kv/cache/commit_queue.py``) and
+the units of blocks an :class:`~extensible_kv.kv.growth.elastic.ElasticBlocks`
+holds outside the prefix (``kv/cache/held_units.py``).
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ import torch
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.budget.publish import register_cache
 from extensible_kv.devices import stream_handles
-from extensible_kv.kv import members
-from extensible_kv.kv.backup import DEFAULT_STAGING_BYTES, HostBackup
-from extensible_kv.kv.block_tensors import BlockTensors
-from extensible_kv.kv.commit_queue import CommitQueue, serialized
-from extensible_kv.kv.commit_ticket import CommitTicket
-from extensible_kv.kv.held_units import HeldUnits
-from extensible_kv.kv.published import published
-from extensible_kv.kv.registrations import ConnectorRegistrationWarning, Registrations
-from extensible_kv.kv.resize import Resizer
-from extensible_kv.kv.sleep import Sleep, SleepState
-from extensible_kv.kv.sleep_wake import SleepWake
+from extensible_kv.kv.cache import members
+from extensible_kv.kv.cache.backup import DEFAULT_STAGING_BYTES, HostBackup
+from extensible_kv.kv.cache.block_tensors import BlockTensors
+from extensible_kv.kv.cache.commit_queue import CommitQueue, serialized
+from extensible_kv.kv.cache.commit_ticket import CommitTicket
+from extensible_kv.kv.cache.held_units import HeldUnits
+from extensible_kv.kv.cache.published import published
+from extensible_kv.kv.cache.registrations import ConnectorRegistrationWarning, Registrations
+from extensible_kv.kv.cache.resize import Resizer
+from extensible_kv.kv.cache.sleep import Sleep, SleepState
+from extensible_kv.kv.cache.sleep_wake import SleepWake
 from extensible_kv.tensor import ExtensibleTensor, create_ahead_all
 
 __all__ = ["ConnectorRegistrationWarning", "ExtensibleKVCacheBuffers", "KVCacheBuffers"]
@@ -119,7 +119,7 @@ class KVCacheBuffers:
     @property
     def num_blocks_committed(self) -> int:
         """Blocks backed by physical memory now: the committed prefix, or the
-        blocks of the units an :class:`~extensible_kv.kv.elastic.ElasticBlocks`
+        blocks of the units an :class:`~extensible_kv.kv.growth.elastic.ElasticBlocks`
         holds anywhere in the cache (0 while asleep)."""
         return self._blocks.committed + self._units.num_blocks_held
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from extensible_kv._checks import check_int, round_up
-from extensible_kv.kv.buffers import KVCacheBuffers
+from extensible_kv.kv.cache.core import KVCacheBuffers
 
 
 class OnDemandGrowth:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from extensible_kv.tensor import published_figures
 
 if TYPE_CHECKING:
-    from extensible_kv.kv.buffers import KVCacheBuffers
+    from extensible_kv.kv.cache.core import KVCacheBuffers
 
 
 def published(cache: KVCacheBuffers) -> dict[str, Any] | None:

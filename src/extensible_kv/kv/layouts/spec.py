@@ -71,7 +71,7 @@ class StridedKVCacheTensor:
     """vLLM 0.32's ``KVCacheTensor``: ``layers`` in order, placed in one
     backing buffer of ``size`` bytes. Block ``b`` of ``layers[l]`` starts at
     ``offset + l * layer_stride + b * block_stride`` and is one page long
-    (see :mod:`extensible_kv.kv.strided`)."""
+    (see :mod:`extensible_kv.kv.layouts.strided`)."""
 
     size: int
     layers: tuple[str, ...]

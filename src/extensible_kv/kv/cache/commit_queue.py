@@ -5,7 +5,7 @@ One worker thread per cache runs the queued commits in order, under the
 cache's lock, so that the driver calls overlap the caller's compute
 (vAttention's idea). On a GPU each commit runs on the cache's commit
 stream, so the zeroing of its new blocks is ordered by the event its
-:class:`~extensible_kv.kv.commit_ticket.CommitTicket` carries.
+:class:`~extensible_kv.kv.cache.commit_ticket.CommitTicket` carries.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from extensible_kv.kv.commit_ticket import CommitTicket
+from extensible_kv.kv.cache.commit_ticket import CommitTicket
 
 __all__ = ["CommitQueue", "serialized"]
 

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from extensible_kv.kv.backup import HostBackup
+from extensible_kv.kv.cache.backup import HostBackup
 from extensible_kv.tensor import (
     ExtensibleTensor,
     holding_growth,
