@@ -610,7 +610,7 @@ def test_a_refused_wake_to_more_blocks_leaves_the_cache_asleep_with_its_copy(
     ledger.set_limit(20 * MiB)
     with pytest.raises(BudgetExceededError):
         cache.recommit(num_blocks=24)
-    assert cache.released
+    assert cache.asleep
     assert (cache.physical_bytes, ledger.held, cache.num_blocks_committed) == (0, 0, 0)
     assert cache.host_backup_bytes > 0
     ledger.set_limit(None)
@@ -629,7 +629,7 @@ def test_a_refused_commit_while_asleep_with_a_copy_leaves_it_asleep(budget: Budg
     ledger.set_limit(20 * MiB)  # as above: the restore fits, 24 blocks do not
     with pytest.raises(BudgetExceededError):
         cache.commit(24)
-    assert cache.released
+    assert cache.asleep
     assert cache.physical_bytes == ledger.held == 0
     ledger.set_limit(None)
     cache.commit(24)

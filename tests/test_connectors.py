@@ -80,7 +80,7 @@ def test_a_registered_cache_refuses_what_would_pull_memory_from_the_connector(
         with pytest.raises(ValueError, match="KV connector registrations \\(nixl\\)"):
             call()
         assert cache.num_blocks_committed == 20, what
-        assert not cache.released, what
+        assert not cache.asleep, what
     # What leaves the memory in place stays allowed: the warm-up of a
     # restarted runner, and its final commit again, which remaps nothing
     # (the registration stays valid) but discards, as a defragment does.
@@ -124,7 +124,7 @@ def test_a_commit_while_released_wakes_only_what_it_asks(
     first_block(cache).fill_(5)
     cache.release_physical()
     cache.ensure_blocks(3)
-    assert not cache.released
+    assert not cache.asleep
     assert cache.num_blocks_committed == 3
     assert first_block(cache).eq(0).all(), "a discarding sleep's blocks come back zeroed"
     first_block(cache).fill_(6)
@@ -160,7 +160,7 @@ def test_a_failed_commit_while_released_leaves_the_cache_asleep(
     faulty.fail_at("create")
     with pytest.raises(Exception, match="injected"):
         cache.commit(10)
-    assert cache.released
+    assert cache.asleep
     assert cache.physical_bytes == 0
     cache.recommit()
     assert cache.num_blocks_committed == 40

@@ -97,7 +97,7 @@ def test_a_step_on_a_sleeping_cache_wakes_it_to_what_the_step_needs(
     growth.ensure([30])
     cache.release_physical()
     assert growth.ensure([10]) == 16
-    assert not cache.released
+    assert not cache.asleep
     cache.recommit()  # what a later wake of the whole cache does: nothing left to do
     assert cache.num_blocks_committed == 16
     cache.free()
@@ -161,7 +161,7 @@ def test_recommit_to_a_count(stats: StatisticsDriver, device: str) -> None:
     cache.commit(20)
     cache.release_physical()
     cache.recommit(num_blocks=0)
-    assert not cache.released
+    assert not cache.asleep
     assert cache.physical_bytes == 0
     cache.commit(20)
     fill(cache, 19, 3)

@@ -157,7 +157,7 @@ def test_a_failed_copy_on_wake_leaves_the_cache_asleep_with_its_copy(
     monkeypatch.setattr(Restorer, "_copy", second_copy_fails)
     with pytest.raises(RuntimeError, match="copy failed"):
         cache.recommit()
-    assert cache.released
+    assert cache.asleep
     assert cache.physical_bytes == 0
     assert stats.live == live_asleep, "what the failed wake committed went back"
     assert cache.host_backup_bytes == 3 * 40 * 256 * 1024

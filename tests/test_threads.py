@@ -89,7 +89,7 @@ class Runner:
 
     def write(self, me: int, rng: random.Random) -> None:
         # Asleep (only an exclusive step puts it to sleep), nothing is touched.
-        mine = [] if self.cache.released else self.mine(me)
+        mine = [] if self.cache.asleep else self.mine(me)
         if not mine:
             return
         index, value = rng.choice(mine), rng.randrange(1, 256)
@@ -99,7 +99,7 @@ class Runner:
         self.owned[me][index] = value
 
     def check(self, me: int) -> None:
-        if self.cache.released:
+        if self.cache.asleep:
             return
         for index, value in self.owned[me].items():
             for b, (buffer, _) in enumerate(self.cache.buffers):
@@ -142,7 +142,7 @@ class Runner:
                 self.forget_from(0)
             elif choice == 2:
                 self.cache.recommit(keep_host_memory=rng.random() < 0.5)
-            elif self.cache.released:
+            elif self.cache.asleep:
                 pass  # trim and defragment are for an awake cache
             elif choice == 3:
                 n = rng.randrange(0, self.cache.num_blocks_committed + 1)
