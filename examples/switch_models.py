@@ -53,7 +53,7 @@ class DemoEngine:
         spec = self.config.attention_spec()
         blocks = kv_bytes // (spec.page_size_bytes * self.config.layers)
         self.kv = allocate_kv_cache(kv_cache_config(self.config, blocks), KVSplitBackend, "cpu")
-        self.kv.buffers.commit(blocks)
+        self.kv.cache.commit(blocks)
         caches = [view for view in self.kv.views.values() if isinstance(view, torch.Tensor)]
         self.step = eager_step(self.model, caches)
         gen = torch.Generator().manual_seed(seed + 1)
@@ -85,13 +85,13 @@ class DemoEngine:
         return self._tokens(self.step)
 
     def sleep(self) -> None:
-        self.kv.buffers.release_physical()
+        self.kv.cache.release_physical()
 
     def wake(self, wait_s: float) -> None:
         from extensible_kv import waiting_for_budget
 
         with waiting_for_budget(wait_s):
-            self.kv.buffers.recommit()
+            self.kv.cache.recommit()
 
 
 class VllmEngine:

@@ -85,7 +85,7 @@ def main() -> None:
     addresses = [layer.keys.data_ptr() for layer in cache.layers]
     print(
         f"turn 1: {int(cache.get_seq_length())} tokens, {cache.physical_bytes / MiB:.1f} MiB "
-        f"committed of {sum(b.capacity_bytes for b, _ in cache.buffers.tensors) / MiB:.1f} "
+        f"committed of {sum(b.capacity_bytes for b, _ in cache.cache.tensors) / MiB:.1f} "
         f"MiB reserved; {extensible_s:.2f} s (DynamicCache {dynamic_s:.2f} s)"
     )
     if not torch.equal(turn1, expected):

@@ -409,7 +409,7 @@ class StandInWorker:
             layout = at_capacity(config, self.num_blocks)
             chunk = granule_size("cpu") if growth == "elastic" else None
             self.kv = allocate_kv_cache(layout, device="cpu", chunk_bytes=chunk)
-            made = commit.commit_count(self.kv.buffers, self.num_blocks, growth, defragment=False)
+            made = commit.commit_count(self.kv.cache, self.num_blocks, growth, defragment=False)
             if isinstance(made, ElasticBlocks):
                 self.steps = ElasticSteps(made)
             backing = self.kv.backing[0]

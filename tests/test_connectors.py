@@ -175,13 +175,13 @@ def test_allocate_kv_cache_views_are_what_a_connector_registers(
     tensors = tuple(KVCacheTensor(1024 * spec.page_size_bytes, (name,)) for name in "ab")
     config = KVCacheConfig(1024, tensors, (KVCacheGroup(("a", "b"), spec),))
     kv = allocate_kv_cache(config, KVSplitBackend, device, shareable=True, driver=stats)
-    kv.buffers.commit(100, defragment=True)
+    kv.cache.commit(100, defragment=True)
     views = kv.narrowed_views()
-    kv.buffers.register_external("nixl")
+    kv.cache.register_external("nixl")
     for view in views.values():
         assert isinstance(view, torch.Tensor)
         assert view.shape[1] == 100
     with pytest.raises(ValueError, match="KV connector"):
-        kv.buffers.release_physical()
+        kv.cache.release_physical()
     kv.free()
-    assert kv.buffers.external_registrations == ()
+    assert kv.cache.external_registrations == ()

@@ -215,7 +215,7 @@ def test_memory_follows_any_sequence_of_orders(
 
 def unmapped_held_blocks(elastic: ElasticBlocks) -> list[int]:
     """Blocks the books say are held that have a byte with no memory behind it."""
-    cache, out = elastic.buffers, []
+    cache, out = elastic.cache, []
     for b in sorted(blocks_of(set(units_of(elastic.held_units)), elastic.blocks_per_unit)):
         for tensor, per_block in cache.buffers:
             for segment in range(tensor.num_segments):

@@ -691,7 +691,7 @@ spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.fl
 config = KVCacheConfig(CAP, (KVCacheTensor(CAP * spec.page_size_bytes, ("a",)),),
                        (KVCacheGroup(("a",), spec),))
 kv = allocate_kv_cache(config, KVSplitBackend, "cpu")
-cache = kv.buffers
+cache = kv.cache
 cache.commit(8)
 kv.views["a"][:, :8].fill_(3)
 cache.release_physical(preserve=True)

@@ -40,14 +40,14 @@ def test_warm_up_commits_what_it_touches_and_sizes_from_it(
     stats: StatisticsDriver, device: str
 ) -> None:
     kv = allocate_kv_cache(config(), KVSplitBackend, device, driver=stats)
-    meter = WarmupMeter.start(kv.buffers, device)
+    meter = WarmupMeter.start(kv.cache, device)
     assert meter.ensure_blocks(300) == 300
-    assert kv.buffers.num_blocks_committed == 300
+    assert kv.cache.num_blocks_committed == 300
     assert meter.ensure_blocks(5 * CAPACITY) == CAPACITY, "capped at the capacity"
-    budget = 200 * kv.buffers.bytes_per_block
+    budget = 200 * kv.cache.bytes_per_block
     sizing = meter.size(kv_budget_bytes=budget)
     assert sizing.num_blocks == 200
-    assert sizing.kv_bytes_at_warmup == kv.buffers.physical_bytes
+    assert sizing.kv_bytes_at_warmup == kv.cache.physical_bytes
     kv.free()
 
 
@@ -55,12 +55,12 @@ def test_the_final_commit_holds_exactly_the_size_for_a_connector(
     stats: StatisticsDriver, device: str
 ) -> None:
     kv = allocate_kv_cache(config(), KVSplitBackend, device, shareable=True, driver=stats)
-    kv.buffers.ensure_blocks(CAPACITY)
-    assert commit_final_size(kv.buffers, 500, connector=True) == 500
-    assert all(in_one_chunk_per_segment(buffer) for buffer, _ in kv.buffers.tensors)
+    kv.cache.ensure_blocks(CAPACITY)
+    assert commit_final_size(kv.cache, 500, connector=True) == 500
+    assert all(in_one_chunk_per_segment(buffer) for buffer, _ in kv.cache.tensors)
     plain = allocate_kv_cache(config(), KVSplitBackend, device, driver=stats)
-    plain.buffers.ensure_blocks(CAPACITY)
-    assert commit_final_size(plain.buffers, 500) == CAPACITY, "without a connector, kept"
+    plain.cache.ensure_blocks(CAPACITY)
+    assert commit_final_size(plain.cache, 500) == CAPACITY, "without a connector, kept"
     kv.free()
     plain.free()
     assert stats.live == LiveUsage()
@@ -114,16 +114,16 @@ class Connector:
 
 def test_a_connector_registers_the_committed_views(stats: StatisticsDriver, device: str) -> None:
     kv = allocate_kv_cache(config(), KVSplitBackend, device, shareable=True, driver=stats)
-    commit_final_size(kv.buffers, 300, connector=True)
+    commit_final_size(kv.cache, 300, connector=True)
     failing = Connector(fail=True)
     with pytest.raises(RuntimeError, match="refused"):
         register_connector(kv, "nixl", failing.register_kv_caches)
-    assert kv.buffers.external_registrations == (), "a failed registration is forgotten"
+    assert kv.cache.external_registrations == (), "a failed registration is forgotten"
     connector = Connector()
     views = register_connector(kv, "nixl", connector.register_kv_caches)
     assert connector.registered is views
     view = views["a"]
     assert isinstance(view, torch.Tensor)
     assert view.shape[1] == 300
-    assert kv.buffers.external_registrations == ("nixl",)
+    assert kv.cache.external_registrations == ("nixl",)
     kv.free()

@@ -69,13 +69,13 @@ def test_committed_blocks_follow_vllms_formula_and_grow_in_place(
     kv = allocate_kv_cache(layout, device="cpu")
     try:
         (full,) = kv.backing
-        base = kv.buffers.base_ptrs[0]
+        base = kv.cache.base_ptrs[0]
         assert full.dtype == torch.int8
         assert full.data_ptr() == base
-        ((buffer, _),) = kv.buffers.tensors
+        ((buffer, _),) = kv.cache.tensors
         committed = 0
         for count in sorted(set(counts)):
-            kv.buffers.commit(count)
+            kv.cache.commit(count)
             for layer, name in enumerate(tensor.layers):
                 view = kv.views[name]
                 assert isinstance(view, torch.Tensor)
@@ -88,7 +88,7 @@ def test_committed_blocks_follow_vllms_formula_and_grow_in_place(
                     if block >= committed:
                         assert int(page.count_nonzero()) == 0  # new blocks read zero
                     page.fill_(layer + 1)
-                    assert kv.buffers.base_ptrs == [base]
+                    assert kv.cache.base_ptrs == [base]
             for layer, name in enumerate(tensor.layers):
                 view = kv.views[name]
                 assert isinstance(view, torch.Tensor)
@@ -136,13 +136,13 @@ def test_layer_outermost_tensors_one_after_another_keep_their_segments(
     assert layout.kv_cache_tensors[1].offset == 2 * 400 * PAGE
     kv = allocate_kv_cache(layout, device=device, driver=stats)
     try:
-        kv.buffers.commit(n)
-        base = kv.buffers.base_ptrs[0]
+        kv.cache.commit(n)
+        base = kv.cache.base_ptrs[0]
         view = kv.views["b.0"]
         assert isinstance(view, torch.Tensor)
         assert view[n - 1].data_ptr() == base + 2 * 400 * PAGE + (n - 1) * PAGE
         view[n - 1].fill_(9)
-        assert kv.buffers.committed_bytes == 3 * n * PAGE
+        assert kv.cache.committed_bytes == 3 * n * PAGE
     finally:
         kv.free()
 

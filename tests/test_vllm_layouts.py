@@ -60,7 +60,7 @@ def test_vllms_views_over_our_backing_grow_in_place(name: str) -> None:
     spaced = at_capacity(vllm_config(layout, n), capacity)
     kv = allocate_kv_cache(spaced, device="cpu")
     try:
-        kv.buffers.commit(n)
+        kv.cache.commit(n)
         (backing,) = kv.backing
         base = backing.data_ptr()
         plain = torch.zeros(backing.numel(), dtype=torch.int8)
@@ -72,14 +72,14 @@ def test_vllms_views_over_our_backing_grow_in_place(name: str) -> None:
             assert mine.data_ptr() - base == theirs.data_ptr() - plain.data_ptr()
         for index, view in enumerate(ours):
             view.fill_(index + 1)  # every committed block of every layer
-        kv.buffers.commit(grown)
+        kv.cache.commit(grown)
         bigger = views(backing, spaced, layout, grown)
         for index, (old, new) in enumerate(zip(ours, bigger, strict=True)):
             assert new.data_ptr() == old.data_ptr()
             assert bool((new[:n] == index + 1).all())
             assert int(new[n:].count_nonzero()) == 0
             new.fill_(index + 7)
-        assert kv.buffers.base_ptrs == [base]
+        assert kv.cache.base_ptrs == [base]
     finally:
         kv.free()
 

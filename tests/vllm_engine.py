@@ -119,7 +119,7 @@ def grow(worker: Any) -> bool:
     """Commit twice vLLM's blocks under the worker's cache (its private
     handle: vLLM itself keeps its count); whether any bound view moved."""
     worker = getattr(worker, "worker", worker)
-    buffers = worker._kv.buffers
+    buffers = worker._kv.cache
     before = [tensor.data_ptr() for tensor in worker.model_runner.kv_caches]
     buffers.commit(min(buffers.num_blocks_capacity, 2 * buffers.num_blocks_committed))
     return before != [tensor.data_ptr() for tensor in worker.model_runner.kv_caches]

@@ -590,9 +590,9 @@ def overhead(device: torch.device, block_counts: list[int]) -> Row:
         cache = allocate_kv_cache(config, backends, device)
         per_count = {}
         for blocks in block_counts:
-            cache.buffers.commit(blocks)
-            committed = blocks * cache.buffers.bytes_per_block
-            physical = cache.buffers.physical_bytes
+            cache.cache.commit(blocks)
+            committed = blocks * cache.cache.bytes_per_block
+            physical = cache.cache.physical_bytes
             per_count[blocks] = {
                 "committed": committed,
                 "physical": physical,

@@ -145,7 +145,7 @@ class _Timeline:
     def mark(self, name: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        buffers = self.kv.buffers
+        buffers = self.kv.cache
         self.phases.append(
             Phase(
                 name,
@@ -189,7 +189,7 @@ def run_flow(
     timeline.mark("reserve")
     try:
         # 2. Warm up; commit blocks as warm-up reaches them.
-        meter = WarmupMeter.start(kv.buffers, device)
+        meter = WarmupMeter.start(kv.cache, device)
         warm_prompts = [[0] * settings.warmup_tokens for _ in range(settings.batch)]
         progress.start("warm-up", settings.warmup_tokens)
         generate(
@@ -214,7 +214,7 @@ def run_flow(
             kv_budget_bytes=settings.kv_budget_bytes,
             memory_utilization=settings.memory_utilization,
         )
-        num_blocks = commit_final_size(kv.buffers, sizing.num_blocks)
+        num_blocks = commit_final_size(kv.cache, sizing.num_blocks)
         if num_blocks < needed:
             raise RuntimeError(
                 f"{sizing.describe()}; {num_blocks} blocks are fewer than the {needed} "
@@ -227,9 +227,9 @@ def run_flow(
         timeline.mark("generate")
 
         # 5. Sleep and wake: addresses, views and the graph survive.
-        kv.buffers.release_physical()
+        kv.cache.release_physical()
         timeline.mark("sleep")
-        kv.buffers.recommit()
+        kv.cache.recommit()
         timeline.mark("wake")
 
         # 6. Generate again.

@@ -161,17 +161,23 @@ class ExtensibleCache(Cache):
     @property
     def max_cache_len(self) -> int:
         """Tokens each layer can hold."""
-        return self._lockstep.buffers.num_blocks_capacity
+        return self._lockstep.cache.num_blocks_capacity
+
+    @property
+    def cache(self) -> KVCacheBuffers:
+        """The cache of every layer's keys and values, committed in lockstep
+        by tokens."""
+        return self._lockstep.cache
 
     @property
     def buffers(self) -> KVCacheBuffers:
-        """Every layer's buffers, committed in lockstep by tokens."""
-        return self._lockstep.buffers
+        """:attr:`cache` by its name before 0.2."""
+        return self.cache
 
     @property
     def physical_bytes(self) -> int:
         """Physical memory held, in bytes (whole granules)."""
-        return self.buffers.physical_bytes
+        return self.cache.physical_bytes
 
     def reset(self) -> None:
         """Forget every token and give their memory back; addresses stay.
@@ -193,7 +199,7 @@ class ExtensibleCache(Cache):
         next ``generate`` prefills the conversation again.
         """
         if preserve:
-            self.buffers.release_physical(preserve=True)
+            self.cache.release_physical(preserve=True)
         else:
             self.reset()
             self._lockstep.release_idle()
@@ -206,4 +212,4 @@ class ExtensibleCache(Cache):
         """Return the memory now and the address ranges once no view is
         left; every later call that would touch the memory raises."""
         self._lockstep.freed = True
-        self.buffers.free()
+        self.cache.free()

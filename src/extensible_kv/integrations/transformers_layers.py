@@ -31,7 +31,7 @@ class Lockstep:
     """
 
     def __init__(self, max_cache_len: int) -> None:
-        self.buffers = KVCacheBuffers([], max_cache_len)
+        self.cache = KVCacheBuffers([], max_cache_len)
         #: Positions every layer holds, counted on the host for committing;
         #: ``length`` counts them on the device for a compiled step.
         self.tokens = 0
@@ -52,9 +52,9 @@ class Lockstep:
     def advance(self, num_tokens: int) -> None:
         """Commit memory for ``num_tokens`` more positions of every layer."""
         end = self.tokens + num_tokens
-        if end > self.buffers.num_blocks_capacity:
+        if end > self.cache.num_blocks_capacity:
             raise ValueError(
-                f"the cache holds max_cache_len={self.buffers.num_blocks_capacity} tokens; "
+                f"the cache holds max_cache_len={self.cache.num_blocks_capacity} tokens; "
                 f"{end} do not fit (make the cache with a larger max_cache_len)"
             )
         self.ensure(end)
@@ -75,13 +75,13 @@ class Lockstep:
         positions committed without a call.
         """
         self.wake()
-        if num_tokens <= self.buffers.num_blocks_committed or not self.buffers.tensors:
+        if num_tokens <= self.cache.num_blocks_committed or not self.cache.tensors:
             return
         fits = min(
             round_up(num_tokens * row, tensor.buffer.granularity) // row
-            for tensor, row in self.buffers.tensors
+            for tensor, row in self.cache.tensors
         )
-        self.buffers.commit(min(self.buffers.num_blocks_capacity, max(num_tokens, fits)))
+        self.cache.commit(min(self.cache.num_blocks_capacity, max(num_tokens, fits)))
 
     def check_alive(self) -> None:
         """Refuse a freed cache: its views point at addresses with no memory."""
@@ -96,8 +96,8 @@ class Lockstep:
         sleeping one (touching released memory is SIGSEGV on the host and an
         illegal address on a GPU)."""
         self.check_alive()
-        if self.buffers.asleep:
-            self.buffers.recommit()
+        if self.cache.asleep:
+            self.cache.recommit()
 
     def forget(self, num_tokens: int) -> None:
         """Zero positions ``num_tokens`` to :attr:`tokens` of every layer and
@@ -105,7 +105,7 @@ class Lockstep:
         reads every position)."""
         if num_tokens < self.tokens:
             self.wake()
-            for tensor, row in self.buffers.tensors:
+            for tensor, row in self.cache.tensors:
                 tensor.full_view()[num_tokens * row : self.tokens * row].zero_()
         self.set_tokens(num_tokens)
 
@@ -113,12 +113,12 @@ class Lockstep:
         """Give every position's memory back; during a preserving sleep,
         drop the host copy too, so that nothing old comes back."""
         self.check_alive()
-        self.buffers.clear()
+        self.cache.clear()
 
     def release_idle(self) -> None:
         """Give back the memory the buffers' driver stacks keep idle for reuse."""
         drivers = {
-            id(tensor.buffer.driver): tensor.buffer.driver for tensor, _ in self.buffers.tensors
+            id(tensor.buffer.driver): tensor.buffer.driver for tensor, _ in self.cache.tensors
         }
         for driver in drivers.values():
             driver.release_idle()
@@ -190,7 +190,7 @@ class ExtensibleLayer(CacheLayerMixin):
                 made.append(self._reserve(states))
             # Both join the lockstep, or neither (a layer made mid-generation
             # is committed to the tokens already there).
-            self._lockstep.buffers.add_all(made)
+            self._lockstep.cache.add_all(made)
         except BaseException:
             for buffer, _ in made:
                 buffer.free()

@@ -47,28 +47,34 @@ class KVCache:
     """An allocated KV cache.
 
     Attributes:
-        buffers: the lockstep buffers (commit, release, recommit, free).
+        cache: the cache (commit, release, recommit, free); ``buffers`` is
+            its name before 0.2.
         views: per layer, the tensor(s) the attention kernels read, spanning
             the whole capacity; valid for the cache's lifetime.
         placements: per layer, where its views live (for narrowing).
     """
 
-    buffers: KVCacheBuffers
+    cache: KVCacheBuffers
     views: dict[str, LayerView]
     placements: dict[str, LayerPlacement]
+
+    @property
+    def buffers(self) -> KVCacheBuffers:
+        """:attr:`cache` by its name before 0.2."""
+        return self.cache
 
     @property
     def backing(self) -> list[torch.Tensor]:
         """Each buffer's whole reservation as one int8 tensor (vLLM 0.32's
         backing buffer, for its ``create_kv_cache_views``); touch only
         committed blocks. The cache keeps owning the memory."""
-        return [tensor.full_view().view(torch.int8) for tensor, _ in self.buffers.tensors]
+        return [tensor.full_view().view(torch.int8) for tensor, _ in self.cache.tensors]
 
     def narrowed_views(self, num_blocks: int | None = None) -> dict[str, LayerView]:
         """Views trimmed to the first ``num_blocks`` (default: the committed)
         blocks, for KV connectors registering memory; see
         :func:`narrow_to_num_blocks`."""
-        n = self.buffers.num_blocks_committed if num_blocks is None else num_blocks
+        n = self.cache.num_blocks_committed if num_blocks is None else num_blocks
         return narrow_to_num_blocks(self.views, n, self.placements)
 
     def __repr__(self) -> str:
@@ -78,11 +84,11 @@ class KVCache:
             name: [tuple(t.shape) for t in view] if isinstance(view, list) else tuple(view.shape)
             for name, view in self.views.items()
         }
-        return f"KVCache({self.buffers!r}, views={shapes})"
+        return f"KVCache({self.cache!r}, views={shapes})"
 
     def free(self) -> None:
         self.views.clear()
-        self.buffers.free()
+        self.cache.free()
 
 
 def narrow_to_num_blocks(
@@ -271,10 +277,10 @@ def allocate_kv_cache(
         for row_bytes, members in packed.items():
             builder.packed_buffer(row_bytes, members)
         views = builder.views()
-        cache = KVCacheBuffers(builder.buffers, capacity)
+        cache = KVCacheBuffers(builder.tensors, capacity)
         cache.commit(1)
     except BaseException:
-        for buffer, _ in builder.buffers:
+        for buffer, _ in builder.tensors:
             buffer.free()
         raise
     return KVCache(cache, views, builder.placements)
@@ -321,7 +327,7 @@ class _Builder:
         self.capacity = capacity
         self.make = make
         self.hybrid = any(is_mamba(layer.spec) for layer in layers.values())
-        self.buffers: list[tuple[ExtensibleTensor, int]] = []
+        self.tensors: list[tuple[ExtensibleTensor, int]] = []
         self.placements: dict[str, LayerPlacement] = {}
 
     def segments(self, name: str) -> int:
@@ -378,7 +384,7 @@ class _Builder:
         )
 
     def _add(self, buffer: ExtensibleTensor, row: int) -> None:
-        self.buffers.append((buffer, row))
+        self.tensors.append((buffer, row))
 
     def views(self) -> dict[str, LayerView]:
         """Every layer's view(s) over its buffer, spanning the capacity.

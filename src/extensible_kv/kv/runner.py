@@ -48,23 +48,23 @@ class WarmupMeter:
     the KV bytes held then. Start it after the cache is allocated and the
     weights are loaded, before the first warm-up step."""
 
-    buffers: KVCacheBuffers
+    cache: KVCacheBuffers
     device: torch.device
     before: MemorySnapshot
     kv_bytes_before: int
 
     @classmethod
-    def start(cls, buffers: KVCacheBuffers, device: torch.device | str) -> WarmupMeter:
+    def start(cls, cache: KVCacheBuffers, device: torch.device | str) -> WarmupMeter:
         device = torch.device(device)
-        return cls(buffers, device, MemorySnapshot.take(device), buffers.physical_bytes)
+        return cls(cache, device, MemorySnapshot.take(device), cache.physical_bytes)
 
     def ensure_blocks(self, num_blocks: int) -> int:
         """Commit the blocks a warm-up batch is about to touch: at least
         ``min(num_blocks, capacity)``. Returns that count, the block ids
         (``0`` to it, exclusive) the batch may use."""
         check_int("num_blocks", num_blocks)
-        usable = min(num_blocks, self.buffers.num_blocks_capacity)
-        self.buffers.ensure_blocks(usable)
+        usable = min(num_blocks, self.cache.num_blocks_capacity)
+        self.cache.ensure_blocks(usable)
         return usable
 
     def size(
@@ -82,9 +82,9 @@ class WarmupMeter:
             self.before,
             MemorySnapshot.take(self.device),
             kv_bytes_before=self.kv_bytes_before,
-            kv_bytes_after=self.buffers.physical_bytes,
-            bytes_per_block=self.buffers.bytes_per_block,
-            num_blocks_capacity=self.buffers.num_blocks_capacity,
+            kv_bytes_after=self.cache.physical_bytes,
+            bytes_per_block=self.cache.bytes_per_block,
+            num_blocks_capacity=self.cache.num_blocks_capacity,
             margin_bytes=margin_bytes,
             kv_budget_bytes=kv_budget_bytes,
             memory_utilization=memory_utilization,
@@ -93,7 +93,7 @@ class WarmupMeter:
 
 
 def commit_final_size(
-    buffers: KVCacheBuffers,
+    cache: KVCacheBuffers,
     num_blocks: int,
     *,
     connector: bool = False,
@@ -110,8 +110,8 @@ def commit_final_size(
     :meth:`~KVCacheBuffers.trim`.
     """
     agreed = agree_num_blocks(num_blocks, group)
-    buffers.commit(agreed, defragment=connector)
-    return buffers.num_blocks_committed
+    cache.commit(agreed, defragment=connector)
+    return cache.num_blocks_committed
 
 
 def sized_config(config: _Config, num_blocks: int) -> _Config:
@@ -185,10 +185,10 @@ def register_connector(
     registration is forgotten. Returns the views handed over.
     """
     views = kv.narrowed_views()
-    kv.buffers.register_external(name)
+    kv.cache.register_external(name)
     try:
         register(views)
     except BaseException:
-        kv.buffers.unregister_external(name)
+        kv.cache.unregister_external(name)
         raise
     return views

@@ -19,10 +19,10 @@ granule is given back when no held unit has a byte in it, wherever it lies
 (holes in the reservation, as kvcached frees any empty page): a request
 started at the peak, holding high ids for minutes, does not keep the memory
 below it. That needs every granule to be its own physical chunk (the driver
-unmaps whole mappings), so the buffers are allocated with ``chunk_bytes``
+unmaps whole mappings), so the cache's buffers are allocated with ``chunk_bytes``
 equal to their granularity.
 
-The memory held this way is not the buffers' committed prefix, which stays
+The memory held this way is not the cache's committed prefix, which stays
 0, but the cache keeps the books of it (``kv/cache/held_units.py``): it counts
 the held blocks as its committed ones, a sleep (``release_physical``, which
 refuses to preserve them) and ``clear()`` give them back like any other,
@@ -115,21 +115,21 @@ class ElasticBlocks:
     """Holds exactly the units an engine's scheduler orders (see the module).
 
     Args:
-        buffers: the KV cache, reserved at its capacity with one chunk per
+        cache: the KV cache, reserved at its capacity with one chunk per
             granule and nothing committed; this object commits and releases
             its memory, and keeps its books in the cache; the caller still
             owns it.
         num_blocks: the engine's block count, the highest any id may reach.
     """
 
-    def __init__(self, buffers: KVCacheBuffers, num_blocks: int) -> None:
+    def __init__(self, cache: KVCacheBuffers, num_blocks: int) -> None:
         check_int("num_blocks", num_blocks)
-        if not 1 <= num_blocks <= buffers.num_blocks_capacity:
+        if not 1 <= num_blocks <= cache.num_blocks_capacity:
             raise ValueError(
-                f"num_blocks must be 1 to the capacity {buffers.num_blocks_capacity}, "
+                f"num_blocks must be 1 to the capacity {cache.num_blocks_capacity}, "
                 f"got {num_blocks}"
             )
-        for tensor, _ in buffers.tensors:
+        for tensor, _ in cache.tensors:
             buffer = tensor.buffer
             if buffer.chunk_bytes != buffer.granularity:
                 raise ValueError(
@@ -137,16 +137,16 @@ class ElasticBlocks:
                     f"its own chunk: allocate the cache with chunk_bytes={buffer.granularity} "
                     f"(the granularity), not {buffer.chunk_bytes}"
                 )
-        if buffers.num_blocks_committed:
+        if cache.num_blocks_committed:
             raise ValueError(
-                f"elastic memory starts from an empty cache; {buffers.num_blocks_committed} "
+                f"elastic memory starts from an empty cache; {cache.num_blocks_committed} "
                 f"blocks are committed (clear() first)"
             )
-        self.buffers = buffers
+        self.cache = cache
         self.num_blocks = num_blocks
-        self._books = buffers._units
+        self._books = cache._units
         #: The cache's queue, whose lock every change here takes (``serialized``).
-        self._commits = buffers._commits
+        self._commits = cache._commits
         self._books.num_blocks = num_blocks
         self._books.set((), blocks_per_unit=1)
         #: The most blocks held at once so far.
@@ -175,20 +175,20 @@ class ElasticBlocks:
 
     def holds(self, block_ids: Iterable[int]) -> bool:
         """Whether every one of ``block_ids`` lies in a held unit."""
-        if self.buffers.asleep:
+        if self.cache.asleep:
             return False
         per = self.blocks_per_unit
         return all(block_id // per in self._held for block_id in block_ids)
 
     def holds_units(self, ranges: Iterable[tuple[int, int]]) -> bool:
         """Whether every unit of ``ranges`` is held."""
-        return not self.buffers.asleep and set(units_of(ranges)) <= self._held
+        return not self.cache.asleep and set(units_of(ranges)) <= self._held
 
     def _byte_ranges(self, units: Iterable[int]) -> list[list[tuple[int, int]]]:
         """Per buffer, the ``(offset, size)`` bytes of ``units`` in every segment."""
         blocks = self._books.block_ranges(units)
         out = []
-        for tensor, per_block in self.buffers.tensors:
+        for tensor, per_block in self.cache.tensors:
             cap = tensor.segment_capacity_bytes
             out.append(
                 [
@@ -223,7 +223,7 @@ class ElasticBlocks:
         wanted (:meth:`~extensible_kv.budget.Ledger.pressure`).
         """
         self._check_orders(orders)
-        if self.buffers.asleep:
+        if self.cache.asleep:
             raise ValueError("the KV cache sleeps; wake() before applying orders")
         if (
             not orders.wanted
@@ -263,7 +263,7 @@ class ElasticBlocks:
         idle back to the driver (a pool's handles of units given back)."""
         if keep:
             return
-        drivers = {id(t.buffer.driver): t.buffer.driver for t, _ in self.buffers.tensors}
+        drivers = {id(t.buffer.driver): t.buffer.driver for t, _ in self.cache.tensors}
         for driver in drivers.values():
             driver.release_idle()
 
@@ -309,14 +309,14 @@ class ElasticBlocks:
             raise
 
     def _commit(self, units: set[int]) -> None:
-        """Commit ``units`` not held yet, zeroed, all buffers at once."""
+        """Commit ``units`` not held yet, zeroed, every buffer at once."""
         new = units - self._held
         if not new:
             return
         # One commit for the whole run: under a device budget it is claimed
         # (or refused) at once, so a refusal tells the other processes the
         # run's size, not one granule's (Ledger.pressure).
-        tensors = [tensor for tensor, _ in self.buffers.tensors]
+        tensors = [tensor for tensor, _ in self.cache.tensors]
         commit_ranges_all(list(zip(tensors, self._byte_ranges(new), strict=True)))
         self._books.set(self._held | new)
 
@@ -332,7 +332,7 @@ class ElasticBlocks:
         if not unheld and not self._held - keep:
             return
         ranges = self._byte_ranges(keep)
-        buffers = [tensor.buffer for tensor, _ in self.buffers.tensors]
+        buffers = [tensor.buffer for tensor, _ in self.cache.tensors]
         with Transaction(buffers) as txn:
             release_outside_together(list(zip(buffers, ranges, strict=True)))
             self._books.set(self._held & keep)
@@ -343,17 +343,17 @@ class ElasticBlocks:
     def release(self) -> None:
         """Sleep: give every byte back; :meth:`wake` commits the same units
         again. Idempotent."""
-        self.buffers.release_physical()
+        self.cache.release_physical()
 
     def wake(self) -> None:
         """Wake after :meth:`release`: commit unit 0 only (the engine reset
         its prefix cache with the sleep). The next :meth:`apply` commits
         what the step needs. Does nothing while awake."""
-        if not self.buffers.asleep:
+        if not self.cache.asleep:
             return
-        self.buffers.recommit(num_blocks=0)
+        self.cache.recommit(num_blocks=0)
         try:
             self._commit({0})
         except BaseException:
-            self.buffers.release_physical()
+            self.cache.release_physical()
             raise

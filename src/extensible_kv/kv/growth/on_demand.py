@@ -25,7 +25,7 @@ class OnDemandGrowth:
     """Commit a :class:`KVCacheBuffers` up to the block ids in use.
 
     Args:
-        buffers: the KV cache (reserved at its capacity); this object
+        cache: the KV cache (reserved at its capacity); this object
             commits and trims it, the caller still owns it.
         num_blocks: the engine's block count, the highest any id may reach
             (at most the capacity).
@@ -35,23 +35,23 @@ class OnDemandGrowth:
     """
 
     def __init__(
-        self, buffers: KVCacheBuffers, num_blocks: int, step_blocks: int | None = None
+        self, cache: KVCacheBuffers, num_blocks: int, step_blocks: int | None = None
     ) -> None:
         check_int("num_blocks", num_blocks)
-        if not 1 <= num_blocks <= buffers.num_blocks_capacity:
+        if not 1 <= num_blocks <= cache.num_blocks_capacity:
             raise ValueError(
-                f"num_blocks must be 1 to the capacity {buffers.num_blocks_capacity}, "
+                f"num_blocks must be 1 to the capacity {cache.num_blocks_capacity}, "
                 f"got {num_blocks}"
             )
-        step = buffers.blocks_per_granule if step_blocks is None else step_blocks
+        step = cache.blocks_per_granule if step_blocks is None else step_blocks
         check_int("step_blocks", step)
         if step < 1:
             raise ValueError(f"step_blocks must be positive, got {step}")
-        self.buffers = buffers
+        self.cache = cache
         self.num_blocks = num_blocks
         self.step_blocks = step
         #: The most blocks committed at once so far.
-        self.high_water = buffers.num_blocks_committed
+        self.high_water = cache.num_blocks_committed
 
     @property
     def first_blocks(self) -> int:
@@ -80,18 +80,18 @@ class OnDemandGrowth:
                     f"block id {block_id} is outside the engine's {self.num_blocks} blocks"
                 )
             highest = max(highest, block_id)
-        if self.buffers.asleep:
+        if self.cache.asleep:
             self.wake()
-        if highest >= self.buffers.num_blocks_committed:
-            self.buffers.commit(self._target(highest + 1))
-        self.high_water = max(self.high_water, self.buffers.num_blocks_committed)
-        return self.buffers.num_blocks_committed
+        if highest >= self.cache.num_blocks_committed:
+            self.cache.commit(self._target(highest + 1))
+        self.high_water = max(self.high_water, self.cache.num_blocks_committed)
+        return self.cache.num_blocks_committed
 
     def wake(self) -> None:
         """Wake after a sleep. A discarding one (the engine's prefix cache
         was reset with it) commits only the first step, and memory grows
         again with the load; a preserving one restores every block kept."""
-        self.buffers.recommit(num_blocks=self.first_blocks)
+        self.cache.recommit(num_blocks=self.first_blocks)
 
     def trim(self, keep_blocks: int) -> int:
         """Give back the memory past ``keep_blocks`` blocks (rounded up to a
@@ -101,11 +101,11 @@ class OnDemandGrowth:
         vLLM, no request running and the prefix cache reset. A freed cache
         raises ValueError, as every call on it does.
         """
-        self.buffers._check_alive("trim()")
+        self.cache._check_alive("trim()")
         check_int("keep_blocks", keep_blocks)
         if not 0 <= keep_blocks <= self.num_blocks:
             raise ValueError(f"keep_blocks must be 0 to {self.num_blocks}, got {keep_blocks}")
         keep = max(self._target(keep_blocks), self.first_blocks)
-        if keep < self.buffers.num_blocks_committed:
-            self.buffers.trim(keep)
-        return self.buffers.num_blocks_committed
+        if keep < self.cache.num_blocks_committed:
+            self.cache.trim(keep)
+        return self.cache.num_blocks_committed

@@ -27,26 +27,26 @@ def for_runner(layout: Any, num_blocks: int) -> Any:
 
 
 def commit_count(
-    buffers: KVCacheBuffers, num_blocks: int, growth: str, *, defragment: bool
+    cache: KVCacheBuffers, num_blocks: int, growth: str, *, defragment: bool
 ) -> OnDemandGrowth | ElasticBlocks | None:
-    """Commit vLLM's ``num_blocks`` blocks in ``buffers`` as ``growth`` says:
+    """Commit vLLM's ``num_blocks`` blocks in ``cache`` as ``growth`` says:
     ``"static"`` all of them (``defragment``: in one piece, for a connector;
     returns None), ``"on_demand"`` the first step, ``"elastic"`` unit 0 only
-    (after clearing the buffers). Returns what commits the rest from then on; it commits in
-    ``buffers``, which the caller still owns."""
+    (after clearing it). Returns what commits the rest from then on; it commits in
+    ``cache``, which the caller still owns."""
     if growth == "on_demand":
         # Memory follows the ids the scheduler hands out (execute_model).
-        on_demand = OnDemandGrowth(buffers, num_blocks)
+        on_demand = OnDemandGrowth(cache, num_blocks)
         on_demand.start()
         return on_demand
     if growth == "elastic":
         # Memory follows the scheduler's orders (execute_model), in
         # units of granules, not as the prefix the allocation committed.
-        buffers.clear()
-        elastic = ElasticBlocks(buffers, num_blocks)
+        cache.clear()
+        elastic = ElasticBlocks(cache, num_blocks)
         elastic.start()
         return elastic
-    buffers.commit(num_blocks, defragment=defragment)
+    cache.commit(num_blocks, defragment=defragment)
     return None
 
 

@@ -97,11 +97,11 @@ class ElasticSteps:
         empty step while asleep only records them (the wake commits unit 0,
         the next orders the rest); a step with tokens while asleep calls
         ``wake`` (the worker's, which commits the cache again) first."""
-        asleep = self.blocks.buffers.asleep
+        asleep = self.blocks.cache.asleep
         orders: ElasticOrders | None = getattr(scheduler_output, "extensible_kv", None)
         if orders is not None:
             self.orders = orders
-            self.blocks.buffers.block_use = (orders.in_use_blocks, orders.cached_blocks)
+            self.blocks.cache.block_use = (orders.in_use_blocks, orders.cached_blocks)
             if asleep:
                 # Asleep: what the wake must come back to is these orders.
                 self.holding = dataclasses.replace(orders, wanted=())
@@ -135,7 +135,7 @@ class ElasticSteps:
         if self._told_ledgers:
             return report
         self._told_ledgers = True
-        accounting = accounting_of(self.blocks.buffers)
+        accounting = accounting_of(self.blocks.cache)
         mine = () if accounting is None else ((*accounting, os.getpid()),)
         from vllm.distributed.parallel_state import get_tp_group
 

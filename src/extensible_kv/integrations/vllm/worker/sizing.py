@@ -116,14 +116,14 @@ def gpu_budget_and_used(
     return int(total * utilization), free_at_start - int(free)
 
 
-def measured(budget: int, used: int, buffers: KVCacheBuffers) -> dict[str, int]:
-    """What warm-up measured, in bytes, over the KV cache ``buffers`` it ran
+def measured(budget: int, used: int, cache: KVCacheBuffers) -> dict[str, int]:
+    """What warm-up measured, in bytes, over the KV cache ``cache`` it ran
     in, logged: ``budget_bytes``, ``non_kv_bytes`` (``used`` less the
     cache's physical memory), ``available_kv_bytes`` (the budget less that)
     and ``warm_up_blocks`` (blocks committed for warm-up)."""
-    non_kv = used - buffers.physical_bytes
+    non_kv = used - cache.physical_bytes
     available = budget - non_kv
-    warm_up_blocks = buffers.num_blocks_committed
+    warm_up_blocks = cache.num_blocks_committed
     logger.info(
         "extensible-kv: warm-up ran over %d KV blocks; everything else holds %d bytes, "
         "so %d of the %d-byte budget go to the KV cache",

@@ -42,8 +42,8 @@ def parent_sleeps(vllm_config: Any) -> bool:
     return not current_platform.is_cpu() and bool(vllm_config.model_config.enable_sleep_mode)
 
 
-def release_kv(buffers: KVCacheBuffers, vllm_config: Any, what: str) -> bool:
-    """Release every byte of the KV cache ``buffers`` (its contents
+def release_kv(cache: KVCacheBuffers, vllm_config: Any, what: str) -> bool:
+    """Release every byte of the KV cache ``cache`` (its contents
     discarded); with a connector, between its ``unregister_kv_caches()``
     and, on a failure, its ``restore_kv_caches()``. Returns whether the
     connector's registration was taken: the caller restores it once the
@@ -52,7 +52,7 @@ def release_kv(buffers: KVCacheBuffers, vllm_config: Any, what: str) -> bool:
     RuntimeError."""
     connector = connector_of(vllm_config)
     if connector is None:
-        buffers.release_physical()
+        cache.release_physical()
         return False
     kv_transfer_config = vllm_config.kv_transfer_config
     reason = release_refusal(type(connector), kv_transfer_config)
@@ -64,7 +64,7 @@ def release_kv(buffers: KVCacheBuffers, vllm_config: Any, what: str) -> bool:
         )
     connector.unregister_kv_caches()
     try:
-        buffers.release_physical()
+        cache.release_physical()
     except BaseException:
         connector.restore_kv_caches()  # the memory stayed: so does its registration
         raise
@@ -72,9 +72,9 @@ def release_kv(buffers: KVCacheBuffers, vllm_config: Any, what: str) -> bool:
 
 
 def wake_kv(
-    buffers: KVCacheBuffers, growth: OnDemandGrowth | ElasticBlocks | None, wait_s: float
+    cache: KVCacheBuffers, growth: OnDemandGrowth | ElasticBlocks | None, wait_s: float
 ) -> None:
-    """Commit the KV cache ``buffers`` again: what it held, or with
+    """Commit the KV cache ``cache`` again: what it held, or with
     on-demand ``growth`` the first step after a discarding sleep (vLLM reset
     its prefix cache), or with elastic ``growth`` unit 0 (the scheduler's
     next orders commit the rest). ``growth`` is what commits the cache
@@ -88,7 +88,7 @@ def wake_kv(
         if growth is not None:
             growth.wake()
         else:
-            buffers.recommit()
+            cache.recommit()
 
 
 def check_preserving_sleep(preserve: bool, *, elastic: bool, connector: str | None) -> None:

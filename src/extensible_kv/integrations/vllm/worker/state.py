@@ -41,12 +41,12 @@ def fallback_state() -> dict[str, Any]:
 
 
 def kv_state(
-    buffers: KVCacheBuffers,
+    cache: KVCacheBuffers,
     growth: OnDemandGrowth | ElasticBlocks | None,
     mode: str,
     sizing: dict[str, int] | None,
 ) -> dict[str, Any]:
-    """The report on the KV cache ``buffers``, from ``growth`` (what commits
+    """The report on the KV cache ``cache``, from ``growth`` (what commits
     the cache beyond a prefix; None: static), ``mode`` (the ``growth``
     option) and ``sizing`` (what warm-up measured).
 
@@ -65,17 +65,17 @@ def kv_state(
     :func:`fallback_state`).
     """
     return {
-        "reserved_bytes": buffers.reserved_bytes,
-        "committed_bytes": buffers.committed_bytes,
-        "physical_bytes": buffers.physical_bytes,
-        "num_blocks_committed": buffers.num_blocks_committed,
-        "num_blocks_capacity": buffers.num_blocks_capacity,
-        "base_ptrs": buffers.base_ptrs,
-        "asleep": buffers.asleep,
-        "host_backup_bytes": buffers.host_backup_bytes,
+        "reserved_bytes": cache.reserved_bytes,
+        "committed_bytes": cache.committed_bytes,
+        "physical_bytes": cache.physical_bytes,
+        "num_blocks_committed": cache.num_blocks_committed,
+        "num_blocks_capacity": cache.num_blocks_capacity,
+        "base_ptrs": cache.base_ptrs,
+        "asleep": cache.asleep,
+        "host_backup_bytes": cache.host_backup_bytes,
         "growth": mode,
         # The most blocks committed at once so far.
-        "high_water_blocks": buffers.num_blocks_committed if growth is None else growth.high_water,
+        "high_water_blocks": cache.num_blocks_committed if growth is None else growth.high_water,
         "sizing": sizing,
         "enabled": True,
     }

@@ -156,7 +156,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         )
         assert self._kv is not None
         sizing.warm_up(self.model_runner, self.compile_or_warm_up_model)
-        self._sizing = sizing.measured(*self._budget_and_used(), self._kv.buffers)
+        self._sizing = sizing.measured(*self._budget_and_used(), self._kv.cache)
         # vLLM's own way out of a KV cache made for profiling: the views go,
         # the reservation stays for the final count.
         self.model_runner._cleanup_profiling_kv_cache()
@@ -231,12 +231,12 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             kv.free()
             raise
         if self._has_connector():
-            kv.buffers.register_external(self._connector_name())
+            kv.cache.register_external(self._connector_name())
         logger.info(
             "extensible-kv: %d of %d blocks committed (%d bytes reserved; vLLM's count %d)",
-            kv.buffers.num_blocks_committed,
+            kv.cache.num_blocks_committed,
             capacity,
-            kv.buffers.reserved_bytes,
+            kv.cache.reserved_bytes,
             num_blocks,
         )
 
@@ -245,7 +245,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         let vLLM build and bind its views over the reservation."""
         assert self._kv is not None
         growth = commit.commit_count(
-            self._kv.buffers,
+            self._kv.cache,
             int(runner_config.num_blocks),
             self._options.growth,
             defragment=self._has_connector(),
@@ -267,15 +267,15 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         """vLLM's final count, in the reservation the measuring warm-up ran in."""
         assert self._kv is not None
         layout = commit.final_layout(
-            kv_cache_config, self._kv.buffers.num_blocks_capacity, self._layout
+            kv_cache_config, self._kv.cache.num_blocks_capacity, self._layout
         )
         self._provisional = False
         # Warm-up wrote into its blocks; vLLM's cache starts as zeros.
-        self._kv.buffers.clear()
+        self._kv.cache.clear()
         self._commit_and_hand_over(commit.for_runner(layout, int(kv_cache_config.num_blocks)))
         logger.info(
             "extensible-kv: %d blocks committed after warm-up, under the same addresses",
-            self._kv.buffers.num_blocks_committed,
+            self._kv.cache.num_blocks_committed,
         )
 
     def _maybe_get_memory_pool_context(self, tag: str) -> Any:
@@ -297,7 +297,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
 
     def _release_kv(self, what: str) -> None:
         assert self._kv is not None
-        if sleep.release_kv(self._kv.buffers, self.vllm_config, what):
+        if sleep.release_kv(self._kv.cache, self.vllm_config, what):
             self._connector_unregistered = True
 
     def sleep(self, level: int = 1) -> None:
@@ -334,7 +334,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         assert self._kv is not None
         if wait_s is None:
             wait_s = self._options.budget_wait_s
-        sleep.wake_kv(self._kv.buffers, self._growth_policy(), wait_s)
+        sleep.wake_kv(self._kv.cache, self._growth_policy(), wait_s)
 
     def discard(self, tags: tuple[str, ...]) -> None:
         """Drop tagged memory without a backup: ``"kv_cache"`` releases the
@@ -378,7 +378,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             elastic=self._elastic is not None,
             connector=self._connector_name() if self._has_connector() else None,
         )
-        kv.buffers.release_physical(preserve=preserve)
+        kv.cache.release_physical(preserve=preserve)
 
     def wake_kv_cache(self, wait_s: float | None = None) -> None:
         """Commit the KV cache again at the same addresses, with what a
@@ -436,7 +436,7 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if self._elastic is not None and scheduler_output is not None:
             self._elastic.before_step(scheduler_output, self._wake_before_step)
             return
-        if self._kv.buffers.asleep:
+        if self._kv.cache.asleep:
             self._wake_before_step()
         if self._growth is not None and scheduler_output is not None:
             self._growth.ensure(scheduled_block_ids(scheduler_output))
@@ -461,5 +461,5 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if self._kv is None:
             return state.fallback_state()
         return state.kv_state(
-            self._kv.buffers, self._growth_policy(), self._options.growth, self._sizing
+            self._kv.cache, self._growth_policy(), self._options.growth, self._sizing
         )
