@@ -28,7 +28,8 @@ import argparse
 import json
 from pathlib import Path
 
-from extensible_kv.bench import elastic, engine, several
+from extensible_kv.bench import child, elastic, engine, several
+from extensible_kv.bench.measure import MiB
 
 
 def main() -> None:
@@ -48,7 +49,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.only == "several":
-        why = engine.unavailable()
+        why = child.unavailable()
         if why is not None:
             raise SystemExit(why)
         alone = several.case(args.rounds, lambda step: print(step, flush=True))
@@ -60,7 +61,7 @@ def main() -> None:
             several.plot(alone, args.out.with_name("several-memory.png"))
         return
     results = engine.suite(
-        args.rounds, args.kv_mib * engine.MiB, lambda step: print(step, flush=True), args.skip
+        args.rounds, args.kv_mib * MiB, lambda step: print(step, flush=True), args.skip
     )
     if "skipped" in results:
         raise SystemExit(results["skipped"])

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from extensible_kv.bench import serving, several
-from extensible_kv.bench.engine import unavailable
+from extensible_kv.bench.child import tiny_model, unavailable
 
 MiB = 1 << 20
 NAMES = "ABCDEFGH"
@@ -70,7 +70,7 @@ def serve(args: argparse.Namespace, state: Path) -> int:
     limit = (args.limit_mib or 96 + 16 * (args.servers - 2)) * MiB
     floor, cache = args.floor_mib * MiB, args.cache_mib * MiB
     names = NAMES[: args.servers]
-    model = args.model or several.tiny_model()
+    model = args.model or tiny_model()
     device = serving.device_name()
     set_device_limit(device, limit)
     print(

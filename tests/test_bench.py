@@ -248,7 +248,8 @@ def test_the_vllm_suite_pairs_its_ratios_by_round() -> None:
 def test_the_vllm_suites_starts_give_every_kind_every_place_equally() -> None:
     from collections import Counter
 
-    from extensible_kv.bench.engine import KINDS, order_of
+    from extensible_kv.bench.child import KINDS
+    from extensible_kv.bench.engine import order_of
 
     orders = [order_of(i) for i in range(12)]
     assert all(sorted(order) == sorted(KINDS) for order in orders)

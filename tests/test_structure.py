@@ -1,9 +1,10 @@
 """docs/design.md's structural rules, checked on the sources as they stand:
 no module over 500 lines, ``driver/`` never importing ``budget/``, the
 layers above the driver never naming an adaptor, no module reading
-another package's private names, and the vLLM integration's floors (its
-sides never importing each other, the floor below them importing no side,
-one seam out of the package). What breaks a rule today is
+another package's private names, no import circle between the rooms or
+among ``bench/``'s modules, and the vLLM integration's floors (its sides
+never importing each other, the floor below them importing no side, one
+seam out of the package). What breaks a rule today is
 listed with its size; the lists may only shrink (each entry names what is
 left to do), and nothing new may join them."""
 
@@ -282,3 +283,62 @@ def test_only_the_seam_leaves_the_vllm_package() -> None:
         and target != VLLM_PACKAGE
     )
     assert leaving == []
+
+
+def _bench_imports() -> dict[str, set[str]]:
+    """Each ``bench/`` module (``__init__`` for the package) with the
+    ``bench/`` modules it imports, wherever the import sits: at the top, in
+    a function or under ``TYPE_CHECKING``. ``from extensible_kv.bench import
+    x`` imports the module ``x`` where there is one, else the package."""
+    package = "extensible_kv.bench"
+    names = {path.stem for path in (SRC / "bench").glob("*.py")}
+    # Dotted name -> module; the package is its ``__init__``.
+    modules = {f"{package}.{name}": name for name in names} | {package: "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse((SRC / "bench" / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.rsplit(".", node.level - 1)[0]
+                    base = f"{up}.{base}" if base else up
+                targets.update(
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                )
+        graph[name] = {modules[t] for t in targets if t in modules} - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each module from which an import path leads back to itself, with
+    that path."""
+    found = []
+    for start in sorted(graph):
+        paths = [[start, target] for target in sorted(graph[start])]
+        seen: set[str] = set()
+        while paths:
+            path = paths.pop()
+            if path[-1] == start:
+                found.append(path)
+                break
+            if path[-1] in seen:
+                continue
+            seen.add(path[-1])
+            paths += [[*path, target] for target in sorted(graph.get(path[-1], ()))]
+    return found
+
+
+def test_no_import_circle_among_the_bench_modules() -> None:
+    """What every engine case shares sits below the cases (``bench/child.py``),
+    and only the suite that runs them imports the cases: no bench module
+    imports, even inside a function, one that imports it back."""
+    graph = _bench_imports()
+    # The scan sees the suite's imports of its cases (a rule that reads no
+    # import would pass on anything).
+    assert graph["engine"] >= {"child", "decode", "elastic", "lifecycle", "several"}
+    circles = [" -> ".join(path) for path in _circles(graph)]
+    assert not circles, "import circles in bench/: " + "; ".join(circles)

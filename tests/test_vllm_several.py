@@ -27,7 +27,7 @@ pytest.importorskip("vllm")
 
 import psutil  # vLLM's dependency
 
-from extensible_kv.bench.elastic import prompt
+from extensible_kv.bench.child import prompt
 from extensible_kv.budget import Ledger, snapshot
 from extensible_kv.demo.tiny_models import save_tiny_model
 from vllm_server import SCHEDULER, WORKER, MiB, Server

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from extensible_kv.bench.engine import quiet_vllm_cpu
+from extensible_kv.bench.child import prompt, quiet_vllm_cpu
 
 settings: dict[str, Any] = json.loads(sys.argv[1])
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings.get("multiprocessing") else "0"
@@ -30,8 +30,6 @@ quiet_vllm_cpu(HF_HUB_OFFLINE="1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
-
-from extensible_kv.bench.elastic import prompt  # noqa: E402
 
 WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"

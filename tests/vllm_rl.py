@@ -25,8 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.bench.elastic import prompt
-from extensible_kv.bench.engine import quiet_vllm_cpu
+from extensible_kv.bench.child import prompt, quiet_vllm_cpu
 
 WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"

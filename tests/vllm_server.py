@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from extensible_kv.bench.elastic import prompt
+from extensible_kv.bench.child import prompt
 
 WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
 SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"

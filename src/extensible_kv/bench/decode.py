@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import IO, Any
 
+from extensible_kv.bench.child import KINDS, make_engine, quiet_vllm_cpu
 from extensible_kv.bench.ratios import ratio_figures
 
 #: Prompt tokens and new tokens per sequence in a pass: each decode step
@@ -148,8 +149,6 @@ def serve(model: str, kind: str, kv_bytes: int, orders: IO[str]) -> None:
     """The engine side: start ``kind``, warm it, say ``READY``; then one
     decode pass per ``pass`` line of ``orders``, answered ``PASS <tok/s>``,
     until ``orders`` ends."""
-    from extensible_kv.bench.engine import KINDS, make_engine, quiet_vllm_cpu
-
     quiet_vllm_cpu(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

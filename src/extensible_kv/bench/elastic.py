@@ -23,30 +23,33 @@ Figures are min, median and max over the rounds; ratios are medians.
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.bench.engine import child_figures, markdown_table, quiet_vllm_cpu
+from extensible_kv.bench.child import (
+    BLOCK_TOKENS,
+    BYTES_PER_BLOCK,
+    SCHEDULER,
+    UNIT_BYTES,
+    WORKER,
+    case_main,
+    child_figures,
+    markdown_table,
+    prompt,
+    quiet_vllm_cpu,
+    tiny_model,
+)
+from extensible_kv.bench.measure import MiB
 from extensible_kv.bench.ratios import spread
 
-MiB = 1 << 20
 KV_BYTES = 128 * MiB
 CACHE_BYTES = 16 * MiB
-BLOCK_TOKENS = 32
-#: A unit: 16 blocks of 128 KiB in each of the model's 2 layers.
-UNIT_BYTES = 4 * MiB
-BYTES_PER_BLOCK = 2 * 128 * 1024
 #: Requests per round: rise, peak, fall, idle.
 ROUNDS = (1, 2, 4, 8, 12, 16, 16, 12, 8, 4, 2, 1, 0, 0)
 NEW_TOKENS = 16
-WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
-SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"
 KINDS = ("stock", "static", "elastic", "elastic_whole_day")
 #: ``cache_bytes`` of each elastic kind: the default trade-off, and one
 #: that holds the whole day's prefixes (as stock's pool does).
@@ -61,12 +64,6 @@ FIGURES = (
     ("back_s", "load falls to memory back", "s"),
     ("cached_tokens", "prefix-cache hits", "tokens"),
 )
-
-
-def prompt(seed: int, length: int, shared: int = 0) -> list[int]:
-    """``length`` tokens; the first ``shared`` are the same for every seed."""
-    head = [(11 * j + 3) % 509 + 1 for j in range(shared)]
-    return head + [(7 * seed + 13 * j) % 503 + 1 for j in range(length - shared)]
 
 
 def round_prompts(round_: int, size: int) -> list[list[int]]:
@@ -183,15 +180,12 @@ def child(model: str, kind: str) -> dict[str, Any]:
 
 def case(rounds: int, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every kind, ``rounds`` times, in turn (vLLM must be installed)."""
-    from extensible_kv.demo.tiny_models import save_tiny_model
-
-    folder = Path(tempfile.gettempdir()) / "extensible-kv-tiny-llama-16kv"
-    model = str(save_tiny_model("llama", folder, num_kv_heads=16))
+    model = tiny_model()
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     for round_ in range(rounds):
         for kind in KINDS:
             progress(f"elastic, round {round_ + 1}/{rounds}: {kind}")
-            runs[kind].append(child_figures("extensible_kv.bench.elastic", model, kind))
+            runs[kind].append(child_figures(__name__, model, kind))
     stats = {
         kind: {key: spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
         for kind, kind_runs in runs.items()
@@ -294,10 +288,5 @@ def _round_positions(points: list[list[float]]) -> list[float]:
     return out
 
 
-def main() -> None:
-    model, kind = sys.argv[1], sys.argv[2]
-    print("FIGURES " + json.dumps(child(model, kind)), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    case_main(child)

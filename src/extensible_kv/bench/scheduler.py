@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from extensible_kv.bench.engine import markdown_table, unavailable
+from extensible_kv.bench.child import markdown_table, quiet_vllm_cpu, unavailable
 from extensible_kv.bench.measure import timed
 
 MiB = 1 << 20
@@ -629,7 +629,6 @@ def suite(
     why = unavailable()
     if why is not None:
         return {"skipped": why, "driver_calls": calls}
-    from extensible_kv.bench.engine import quiet_vllm_cpu
     from extensible_kv.demo.tiny_models import save_tiny_model
 
     quiet_vllm_cpu()

@@ -28,15 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-MiB = 1 << 20
+from extensible_kv.bench.child import SCHEDULER, WORKER
+from extensible_kv.bench.measure import MiB
+
 #: Seconds between two looks at the ledger.
 SAMPLE_S = 0.05
 #: Seconds a server may take to answer /health after its start.
 START_S = 300
 #: Seconds any one request may take.
 REQUEST_S = 120
-WORKER = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
-SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"
 
 
 def percentile(values: Sequence[float], share: float) -> float:

@@ -49,19 +49,26 @@ min, median and max over the rounds; ratios are medians.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.bench.elastic import prompt
-from extensible_kv.bench.engine import child_figures, markdown_table
+from extensible_kv.bench.child import (
+    BLOCK_TOKENS,
+    BYTES_PER_BLOCK,
+    UNIT_BYTES,
+    case_main,
+    child_figures,
+    markdown_table,
+    prompt,
+    tiny_model,
+)
+from extensible_kv.bench.measure import MiB
 from extensible_kv.bench.ratios import spread
 from extensible_kv.bench.serving import (
     SAMPLE_S,
@@ -76,13 +83,8 @@ from extensible_kv.bench.serving import (
     want_episodes,
 )
 
-MiB = 1 << 20
 #: The device limit every kind shares out: ours under it, the split halves it.
 LIMIT_BYTES = 96 * MiB
-BLOCK_TOKENS = 32
-BYTES_PER_BLOCK = 2 * 128 * 1024
-#: A unit: 16 blocks of 128 KiB in each of the model's 2 layers.
-UNIT_BYTES = 4 * MiB
 #: Each engine's floor: unit 0 and one unit of cached prefixes.
 FLOOR_BYTES = 2 * UNIT_BYTES
 REQUESTS = 16
@@ -297,14 +299,6 @@ def _longest(values: list[float | None]) -> float | None:
 # -- the case -----------------------------------------------------------------------
 
 
-def tiny_model() -> str:
-    """The ``elastic`` case's tiny Llama with 16 KV heads (made once)."""
-    from extensible_kv.demo.tiny_models import save_tiny_model
-
-    folder = Path(tempfile.gettempdir()) / "extensible-kv-tiny-llama-16kv"
-    return str(save_tiny_model("llama", folder, num_kv_heads=16))
-
-
 def case(rounds: int, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every kind, ``rounds`` times, in turn (vLLM must be installed)."""
     model = tiny_model()
@@ -312,7 +306,7 @@ def case(rounds: int, progress: Callable[[str], None] = lambda _: None) -> dict[
     for round_ in range(rounds):
         for kind in KINDS:
             progress(f"several, round {round_ + 1}/{rounds}: {kind}")
-            runs[kind].append(child_figures("extensible_kv.bench.several", model, kind))
+            runs[kind].append(child_figures(__name__, model, kind))
     return summary(rounds, runs)
 
 
@@ -438,10 +432,5 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def main() -> None:
-    model, kind = sys.argv[1], sys.argv[2]
-    print("FIGURES " + json.dumps(child(model, kind)), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    case_main(child)
