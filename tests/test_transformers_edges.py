@@ -342,3 +342,31 @@ def test_a_reorder_needs_one_beam_index_per_row(static_shapes: bool, beams: Any)
     cache.reorder_cache(torch.tensor([2, 2, 0]))
     assert torch.equal(cache.layers[1].keys, before[1][0][[2, 2, 0]])
     cache.free()
+
+
+# -- one word: release_physical is a sleep, preserving or not --------------------
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_a_discarding_release_is_a_sleep_and_the_next_step_wakes_it_empty(
+    static_shapes: bool,
+) -> None:
+    """``release_physical()`` without ``preserve`` puts the cache to sleep
+    (asleep, no memory, no tokens); the next step wakes it with only what
+    that step needs, as a fresh cache holds."""
+    cache = ExtensibleCache(
+        max_cache_len=64, config=TINY, static_shapes=static_shapes, driver=HostDriver(GRANULE)
+    )
+    fresh = ExtensibleCache(
+        max_cache_len=64, config=TINY, static_shapes=static_shapes, driver=HostDriver(GRANULE)
+    )
+    step(cache, states(2, 40, seed=0))
+    cache.release_physical()
+    assert (cache.cache.asleep, cache.physical_bytes, int(cache.get_seq_length())) == (True, 0, 0)
+    one = states(2, 1, seed=1)
+    step(cache, one)
+    step(fresh, one)
+    assert not cache.cache.asleep
+    assert cache.physical_bytes == fresh.physical_bytes
+    cache.free()
+    fresh.free()

@@ -195,17 +195,19 @@ class ExtensibleCache(Cache):
 
         With ``preserve`` the tokens are copied to host memory first and
         :meth:`recommit` restores them (an update before it wakes the cache
-        too). Without, the cache forgets its tokens, as :meth:`reset`: the
-        next ``generate`` prefills the conversation again.
+        too). Without, their contents go with the memory, so the cache
+        forgets its tokens: the next ``generate`` (or :meth:`recommit`)
+        wakes it empty and prefills the conversation again.
         """
         if preserve:
             self.cache.release_physical(preserve=True)
-        else:
-            self.reset()
-            self._lockstep.release_idle()
+            return
+        self.reset()
+        self.cache.release_physical()
 
     def recommit(self) -> None:
-        """Wake after a preserving :meth:`release_physical`; else nothing."""
+        """Wake after :meth:`release_physical`: the tokens a preserving
+        sleep kept, or none after a discarding one; awake, nothing."""
         self._lockstep.wake()
 
     def free(self) -> None:

@@ -15,7 +15,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from extensible_kv._checks import round_up
 from extensible_kv.driver import Driver
-from extensible_kv.kv.cache.core import KVCacheBuffers
+from extensible_kv.kv import KVCacheBuffers, SleepState
 from extensible_kv.tensor import ExtensibleTensor
 
 __all__ = ["ExtensibleLayer", "ExtensibleStaticLayer", "Lockstep"]
@@ -96,7 +96,9 @@ class Lockstep:
         sleeping one (touching released memory is SIGSEGV on the host and an
         illegal address on a GPU)."""
         self.check_alive()
-        if self.cache.asleep:
+        if self.cache.state is SleepState.ASLEEP_DISCARDED:
+            self.cache.recommit(num_blocks=0)  # no token left: commit as they come
+        elif self.cache.asleep:
             self.cache.recommit()
 
     def forget(self, num_tokens: int) -> None:
@@ -114,14 +116,6 @@ class Lockstep:
         drop the host copy too, so that nothing old comes back."""
         self.check_alive()
         self.cache.clear()
-
-    def release_idle(self) -> None:
-        """Give back the memory the buffers' driver stacks keep idle for reuse."""
-        drivers = {
-            id(tensor.buffer.driver): tensor.buffer.driver for tensor, _ in self.cache.tensors
-        }
-        for driver in drivers.values():
-            driver.release_idle()
 
 
 _LOCKSTEPS: weakref.WeakValueDictionary[int, Lockstep] = weakref.WeakValueDictionary()
