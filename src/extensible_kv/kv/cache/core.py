@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+import extensible_kv.kv.cache.members as members
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.budget.publish import register_cache
 from extensible_kv.devices import stream_handles
-from extensible_kv.kv.cache import members
 from extensible_kv.kv.cache.backup import DEFAULT_STAGING_BYTES, HostBackup
 from extensible_kv.kv.cache.block_tensors import BlockTensors
 from extensible_kv.kv.cache.commit_queue import CommitQueue, serialized

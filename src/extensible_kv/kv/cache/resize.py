@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import extensible_kv.kv.cache.members as members
 from extensible_kv._checks import check_int
-from extensible_kv.kv.cache import members
 from extensible_kv.kv.cache.backup import DEFAULT_STAGING_BYTES
 from extensible_kv.kv.cache.block_tensors import BlockTensors
 from extensible_kv.kv.cache.registrations import Registrations
