@@ -45,6 +45,7 @@ own allocation with one warning.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any
@@ -105,9 +106,6 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: The ``extensible_kv`` options, checked once, here: a bad one stops
-        #: the worker before it allocates anything.
-        self._options: Options = options_of(self.vllm_config)
         self._kv: KVCache | None = None
         self._growth: OnDemandGrowth | None = None
         self._elastic: ElasticSteps | None = None
@@ -120,6 +118,15 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         #: Whether a sleep took the KV cache from its connector (vLLM 0.33+),
         #: to be registered again on the wake.
         self._connector_unregistered = False
+
+    @functools.cached_property
+    def _options(self) -> Options:
+        """The ``extensible_kv`` options, parsed once, at their first use: in
+        vLLM's first call that needs them (an RPC), whose error vLLM shows
+        the user, before anything is allocated; an error raised while vLLM
+        builds its worker process reaches the user only as "WorkerProc
+        initialization failed"."""
+        return options_of(self.vllm_config)
 
     def init_device(self) -> None:
         """vLLM's, then the watch on the engine's client: an orphaned engine
