@@ -1,6 +1,6 @@
 """The options ``LLM(..., additional_config={"extensible_kv": {...}})`` takes,
-parsed once, when the worker or the scheduler is made, into an
-:class:`Options` that each keeps and passes on."""
+parsed once (by the scheduler when it is made, by the worker at their
+first use) into an :class:`Options` that each keeps and passes on."""
 
 from __future__ import annotations
 
