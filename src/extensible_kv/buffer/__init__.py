@@ -9,6 +9,7 @@ from extensible_kv.buffer.chunks import Chunk, Remap, Staging
 from extensible_kv.buffer.group import (
     commit_together,
     defragment_together,
+    release_idle,
     release_outside_together,
     release_together,
     synchronize_buffers,
@@ -29,6 +30,7 @@ __all__ = [
     "defragment_together",
     "hold_locks",
     "holding",
+    "release_idle",
     "release_outside_together",
     "release_together",
     "swap_in_together",

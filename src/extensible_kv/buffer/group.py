@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "commit_together",
     "defragment_together",
+    "release_idle",
     "release_outside_together",
     "release_together",
     "synchronize_buffers",
@@ -77,9 +78,16 @@ def release_together(buffers: Sequence[VirtualBuffer], *, idle: bool = False) ->
     with Transaction(buffers) as txn:
         released = _release_chunks(txn, [(b, list(b._chunks)) for b in buffers if not b._freed])
         if idle:
-            for driver in {id(b.driver): b.driver for b in buffers}.values():
-                driver.release_idle()
+            release_idle(buffers)
         return released
+
+
+def release_idle(buffers: Iterable[VirtualBuffer]) -> int:
+    """Give back the memory the driver stacks of ``buffers`` keep idle for
+    reuse (:meth:`~extensible_kv.driver.Driver.release_idle`), once per
+    stack; returns the bytes."""
+    drivers = {id(buffer.driver): buffer.driver for buffer in buffers}
+    return sum(driver.release_idle() for driver in drivers.values())
 
 
 def release_outside_together(

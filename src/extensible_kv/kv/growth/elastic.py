@@ -38,7 +38,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from extensible_kv._checks import check_int
-from extensible_kv.buffer import Transaction, release_outside_together
+from extensible_kv.buffer import Transaction, release_idle, release_outside_together
 from extensible_kv.driver import OutOfMemoryError
 from extensible_kv.kv.cache.commit_queue import serialized
 from extensible_kv.kv.cache.core import KVCacheBuffers
@@ -261,11 +261,8 @@ class ElasticBlocks:
     def _keep_idle(self, keep: bool) -> None:
         """Unless ``keep``, give the memory the buffers' driver stacks keep
         idle back to the driver (a pool's handles of units given back)."""
-        if keep:
-            return
-        drivers = {id(t.buffer.driver): t.buffer.driver for t, _ in self.cache.tensors}
-        for driver in drivers.values():
-            driver.release_idle()
+        if not keep:
+            release_idle(tensor.buffer for tensor, _ in self.cache.tensors)
 
     def _commit_each(self, units: range) -> int:
         """Commit ``units`` one by one until one is refused; how many were."""
