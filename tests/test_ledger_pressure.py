@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import re
 import struct
 import subprocess
 import sys
@@ -37,12 +38,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from extensible_kv import ExtensibleTensor
-from extensible_kv.budget import Holder, Ledger, StaleRevisionError
+from extensible_kv.budget import STALLED_S, Holder, Ledger, StaleRevisionError, snapshot
 from extensible_kv.budget.ledger import WANT_TTL_S
 from extensible_kv.budget.ledger_file import FILE_BYTES, HEADER_BYTES, SLOTS, V1_FILE_BYTES
 from extensible_kv.budget.liveness import this_process
+from extensible_kv.budget.stall import StallWatch
 from extensible_kv.budget.state_dir import prepare
-from extensible_kv.devices import BudgetDriver, without_wants
+from extensible_kv.cli import main
+from extensible_kv.devices import BudgetDriver, waiting_for_budget, without_wants
 from extensible_kv.driver import BudgetExceededError, backend
 
 MiB = 1 << 20
@@ -435,3 +438,76 @@ def test_a_claim_refused_without_wants_asks_no_one(state: Path) -> None:
         assert ledger.pressure(mine=()) == 2 * MiB  # the want beyond the 2 MiB of room
     finally:
         tensor.free()
+
+
+def test_a_wait_past_the_stall_tells_once_who_holds_the_memory(
+    state: Path, children: list[Child], caplog: pytest.LogCaptureFixture
+) -> None:
+    holder, idle, _ = children
+    budget = BudgetDriver(backend("cpu"), state_dir=state)
+    device = backend("cpu").device_uuid(0)
+    budget.ledger(0).set_limit(8 * MiB)
+    for child in (holder, idle):
+        assert child.ask(f"open {device}") == "ok"
+    assert holder.ask(f"bounds {2 * MiB} none").startswith("ok")
+    assert holder.ask(f"claim {6 * MiB}") == "ok"
+    tensor = ExtensibleTensor(64 * MiB, "cpu", driver=budget)
+    try:
+        with waiting_for_budget(STALLED_S + 2.0), pytest.raises(BudgetExceededError):
+            tensor.resize_(4 * MiB)
+    finally:
+        tensor.free()
+    told = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert len(told) == 1, told
+    (line,) = told
+    assert f"pid {os.getpid()} has waited" in line
+    assert f"for 4.00 MiB more on device {device} (limit 8.00 MiB)" in line
+    assert f"pid {holder.pid} ({sys.executable} -c" in line
+    assert "holds 6.00 MiB, floor 2.00 MiB, cap none, cached unknown" in line
+    assert f"pid {idle.pid}" not in line  # it holds nothing
+    assert f"pid {os.getpid()} (" not in line  # the waiter is not its own holder
+
+
+def _ask_until_stalled(ledger: Ledger, size: int) -> None:
+    """Ask for ``size`` bytes again and again, each refused, until the want
+    has stood :data:`STALLED_S` seconds (asked within its lifetime each time)."""
+    until = time.monotonic() + STALLED_S + 0.2
+    while time.monotonic() < until:
+        with pytest.raises(BudgetExceededError):
+            ledger.claim(size)
+        time.sleep(WANT_TTL_S / 5)
+
+
+def test_a_stalled_want_is_marked_in_top_and_told_once_per_want(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = Ledger(state, "host-stall")
+    watch = StallWatch()
+    me = {os.getpid()}
+    try:
+        ledger.set_limit(8 * MiB)
+        with pytest.raises(BudgetExceededError):
+            ledger.claim(12 * MiB)
+        (held,) = ledger.read().holders.values()
+        assert held.wanting_s is not None
+        assert not held.stalled
+        assert watch.check(ledger, me) is None  # wanting, not stalled yet
+        _ask_until_stalled(ledger, 12 * MiB)
+        (process,) = snapshot(state)["devices"][0]["processes"]
+        assert process["wanting_s"] >= STALLED_S
+        assert main(["top", "--once"]) == 0
+        shown = capsys.readouterr().out
+        assert "wanted 12.0 MiB (stalled)" in shown
+        assert re.search(r"12\.0 MiB, stalled \d+ s", shown)
+        told = watch.check(ledger, me)
+        assert told is not None
+        assert "for 12.0 MiB more on device host-stall" in told
+        assert "held by: no other process" in told
+        assert watch.check(ledger, me) is None  # the same want: told once
+        time.sleep(WANT_TTL_S * 1.2)  # the want lapses
+        assert watch.check(ledger, me) is None
+        assert ledger.read().holders[this_process(state)].wanting_s is None
+        _ask_until_stalled(ledger, 12 * MiB)
+        assert watch.check(ledger, me) is not None  # a new want: told again
+    finally:
+        ledger.close()

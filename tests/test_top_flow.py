@@ -523,6 +523,8 @@ def test_the_gauges_carry_the_flow(budget: BudgetDriver, state: Path) -> None:
     assert _gauge(text, "extensible_kv_process_floor_bytes", pid=pid) == [12 * MiB]
     assert _gauge(text, "extensible_kv_process_cap_bytes", pid=pid) == [16 * MiB]
     assert _gauge(text, "extensible_kv_process_waited_seconds", pid=pid) == []  # none met yet
+    (wanting,) = _gauge(text, "extensible_kv_process_wanting_seconds", pid=pid)
+    assert 0 <= wanting < PATIENCE_S  # the want stands
     # In use and cached: the KV cache's, not the lone tensor's (it counts no blocks).
     assert _gauge(text, "extensible_kv_cache_in_use_bytes", pid=pid) == [6 * per_block]
     cached = _gauge(text, "extensible_kv_cache_cached_bytes", pid=pid, kind="KVCacheBuffers")
@@ -532,5 +534,8 @@ def test_the_gauges_carry_the_flow(budget: BudgetDriver, state: Path) -> None:
     text = metrics_text(snapshot(state)).decode()
     assert _gauge(text, "extensible_kv_process_cap_bytes", pid=pid) == []
     assert _gauge(text, "extensible_kv_process_floor_bytes", pid=pid) == [0]
+    ledger.claim(8 * MiB)  # the want met: no longer standing
+    text = metrics_text(snapshot(state)).decode()
+    assert _gauge(text, "extensible_kv_process_wanting_seconds", pid=pid) == []
     cache.free()
     lone.free()

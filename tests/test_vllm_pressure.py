@@ -5,6 +5,7 @@ which the giving back never goes below."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from extensible_kv.budget import Ledger
+from extensible_kv.budget import STALLED_S, Ledger
 from extensible_kv.driver import backend
-from extensible_kv.integrations.vllm.scheduler.pressure import Pressure
+from extensible_kv.integrations.vllm.scheduler.pressure import STALL_EVERY_S, Pressure
 from extensible_kv.limits import set_device_limit, set_floor_and_cap
 
 MiB = 1 << 20
@@ -29,7 +30,7 @@ PATIENCE_S = 60
 WANTING = """
 import sys
 from pathlib import Path
-from extensible_kv.budget import Ledger
+from extensible_kv.budget import STALLED_S, Ledger
 Ledger(Path(sys.argv[1]), sys.argv[2]).claim(8 << 20, timeout_s=float(sys.argv[3]))
 """
 
@@ -84,6 +85,35 @@ def test_giving_way_to_anothers_want_stops_at_the_floor(
         assert ledger.held == 4 * MiB
         assert pressure.blocks_wanted() == 4  # still wanted: the floor keeps it
         assert wanting.poll() is None  # still waiting, refused
+    finally:
+        ledger.give_back(ledger.held)
+        ledger.close()
+        pressure.close()
+
+
+def test_a_stalled_want_of_the_engine_is_told_once_naming_the_holder(
+    state: Path, wanting: subprocess.Popen[bytes]
+) -> None:
+    set_device_limit("cpu", 8 * MiB)
+    ledger = Ledger(state, UUID)
+    ledger.claim(6 * MiB)
+    # The waiting child plays this engine's rank: its want is the engine's.
+    pressure = Pressure(BLOCK)
+    pressure.learn(((UUID, str(state), wanting.pid),))
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while not (told := pressure.stalled()):
+            assert time.monotonic() < deadline, f"no stall was told in {PATIENCE_S} s"
+            time.sleep(0.1)
+        (line,) = told
+        waited = re.search(rf"pid {wanting.pid} has waited (\d+) s for 8\.00 MiB more", line)
+        assert waited, line
+        assert int(waited[1]) >= STALLED_S
+        assert f"pid {os.getpid()} (" in line
+        assert "holds 6.00 MiB, floor none, cap none" in line
+        time.sleep(STALL_EVERY_S * 1.5)
+        assert pressure.stalled() == []  # the same want: told once
+        assert wanting.poll() is None
     finally:
         ledger.give_back(ledger.held)
         ledger.close()

@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from extensible_kv.budget import format_bytes, snapshot, state_dir
+from extensible_kv.budget import STALLED_S, format_bytes, snapshot, state_dir
 from extensible_kv.budget.liveness import one_line
 
 #: Snapshots per second in the live view.
@@ -52,8 +52,27 @@ def _device_title(device: dict[str, Any], names: dict[str, str]) -> Text:
         )
     wanted = sum(p["wanted_bytes"] for p in device["processes"])
     if wanted:
-        title.append(f", wanted {format_bytes(wanted)}", style="yellow")
+        stalled = any(_stalled(p) for p in device["processes"])
+        title.append(
+            f", wanted {format_bytes(wanted)}{' (stalled)' if stalled else ''}",
+            style="red" if stalled else "yellow",
+        )
     return title
+
+
+def _stalled(process: dict[str, Any]) -> bool:
+    """Whether the process's want has stood unmet :data:`STALLED_S` seconds
+    (a snapshot of an older extensible-kv has no ``wanting_s``: never)."""
+    wanting = process.get("wanting_s")
+    return wanting is not None and wanting >= STALLED_S
+
+
+def _wanted(process: dict[str, Any]) -> str:
+    """The want's bytes, marked ``stalled N s`` once it is."""
+    if not process["wanted_bytes"]:
+        return "-"
+    wanted = format_bytes(process["wanted_bytes"])
+    return f"{wanted}, stalled {process['wanting_s']:.0f} s" if _stalled(process) else wanted
 
 
 #: Columns of a cache's row, each with its cell; in use and cached (blocks
@@ -73,7 +92,7 @@ _CACHE_CELLS: dict[str, Callable[[dict[str, Any]], str]] = {
 #: process on the device has one.
 _PROCESS_CELLS: dict[str, Callable[[dict[str, Any]], str]] = {
     "claimed": lambda p: format_bytes(p["claimed_bytes"]),
-    "wanted": lambda p: format_bytes(p["wanted_bytes"]) if p["wanted_bytes"] else "-",
+    "wanted": _wanted,
     "waited": lambda p: "-" if p["waited_s"] is None else f"{p['waited_s']:.2f} s",
     "floor": lambda p: format_bytes(p["floor_bytes"]) if p["floor_bytes"] else "-",
     "cap": lambda p: _size(p["cap_bytes"]),

@@ -7,7 +7,7 @@ through it; the ``extensible-kv limit`` and ``top`` commands read and write
 it. Only the adaptor calls a driver (the one below it).
 """
 
-from extensible_kv.budget.holders import Holder, LedgerView, Limit, StaleRevisionError
+from extensible_kv.budget.holders import STALLED_S, Holder, LedgerView, Limit, StaleRevisionError
 from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.sizes import format_bytes, parse_size
 from extensible_kv.budget.snapshot import SCHEMA_VERSION, snapshot
@@ -15,6 +15,7 @@ from extensible_kv.budget.state_dir import STATE_DIR_ENV, StateDirError, state_d
 
 __all__ = [
     "SCHEMA_VERSION",
+    "STALLED_S",
     "STATE_DIR_ENV",
     "Holder",
     "Ledger",

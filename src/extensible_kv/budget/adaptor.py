@@ -18,6 +18,7 @@ an account here (:meth:`BudgetDriver.holding`).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -29,10 +30,13 @@ from pathlib import Path
 from extensible_kv._checks import check_bytes, check_seconds
 from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.publish import Publisher, publisher
+from extensible_kv.budget.stall import stall_message
 from extensible_kv.budget.state_dir import state_dir
 from extensible_kv.driver.adaptors import DriverAdaptor
 from extensible_kv.driver.errors import BudgetExceededError
 from extensible_kv.driver.protocol import DRIVER_CALLS, Driver
+
+logger = logging.getLogger(__name__)
 
 _waits = threading.local()
 #: The protocol's calls a budget passes through untouched.
@@ -80,8 +84,16 @@ def without_wants() -> Iterator[None]:
 def _claim(ledger: Ledger, size: int) -> None:
     """Claim ``size`` bytes from ``ledger`` as this thread's blocks say:
     how long to wait (:func:`waiting_for_budget`), whether a refusal posts
-    a want (:func:`without_wants`)."""
-    ledger.claim(size, getattr(_waits, "timeout_s", 0.0), want=getattr(_waits, "want", True))
+    a want (:func:`without_wants`). A wait that stalls logs who holds the
+    memory, once (:mod:`~extensible_kv.budget.stall`)."""
+    ledger.claim(
+        size,
+        getattr(_waits, "timeout_s", 0.0),
+        want=getattr(_waits, "want", True),
+        on_stall=lambda waited: logger.warning(
+            stall_message(ledger.state_dir, ledger.device, size, waited, {os.getpid()})
+        ),
+    )
 
 
 def _draw(ledger: Ledger, account: _Account, lacking: int) -> None:

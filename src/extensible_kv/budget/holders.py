@@ -10,6 +10,11 @@ from extensible_kv.budget.liveness import ProcessId, command_line, one_line
 from extensible_kv.budget.sizes import MAX_SIZE_BYTES, format_bytes
 from extensible_kv.driver.errors import BudgetExceededError
 
+#: Seconds after which a want still unmet is **stalled**: the waiting
+#: process logs once who holds the memory, and ``extensible-kv top`` marks it.
+#: Long enough that a want met by an idle engine's next step never counts.
+STALLED_S = 3.0
+
 
 class StaleRevisionError(ValueError):
     """A limit, floor or cap was written by someone who had read an older
@@ -36,6 +41,8 @@ class Holder:
         floor_bytes: kept for it while it holds less (0: none).
         cap_bytes: the most it may claim (None: no cap).
         waited_s: seconds its last want that was met waited (None: none yet).
+        wanting_s: seconds its standing want has stood unmet (None: it
+            wants nothing now); :data:`STALLED_S` or more is a stalled want.
     """
 
     claimed_bytes: int
@@ -43,6 +50,12 @@ class Holder:
     floor_bytes: int = 0
     cap_bytes: int | None = None
     waited_s: float | None = None
+    wanting_s: float | None = None
+
+    @property
+    def stalled(self) -> bool:
+        """Whether its want has stood unmet for :data:`STALLED_S` seconds or more."""
+        return self.wanting_s is not None and self.wanting_s >= STALLED_S
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,9 @@ class ProcessSum:
     wanted: int = 0
     floor: int = 0
     cap: int = 0  # 0: none
+    #: ``time.monotonic_ns()`` when its oldest standing want was first
+    #: posted (0: it wants nothing).
+    wanting_since: int = 0
 
     @property
     def unmet_floor(self) -> int:

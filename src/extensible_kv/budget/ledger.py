@@ -36,11 +36,12 @@ import os
 import re
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from extensible_kv.budget.holders import (
+    STALLED_S,
     Holder,
     LedgerView,
     Limit,
@@ -65,6 +66,8 @@ from extensible_kv.budget.sizes import format_bytes
 from extensible_kv.budget.state_dir import StateDirError, prepare
 from extensible_kv.driver.errors import BudgetExceededError
 
+#: Called once, with the seconds waited, by a claim waiting past STALLED_S.
+Stall = Callable[[float], object] | None
 _UUID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: Seconds between tries while a claim waits for room.
 POLL_S = 0.01
@@ -239,14 +242,17 @@ class Ledger:
         """Bytes this process claims on the device."""
         return 0 if self._slot is None else self._claims[self._slot]
 
-    def claim(self, size: int, timeout_s: float = 0.0, *, want: bool = True) -> None:
+    def claim(
+        self, size: int, timeout_s: float = 0.0, *, want: bool = True, on_stall: Stall = None
+    ) -> None:
         """Claim ``size`` bytes for this process, before it creates them.
 
         With no limit and no cap this is a store into the mapping. Otherwise
         a claim that does not fit posts a want of ``size`` bytes (see the
         module; not with ``want=False``, for a try that has another way)
         and waits up to ``timeout_s`` seconds for room, then raises
-        :class:`BudgetExceededError`.
+        :class:`BudgetExceededError`. A wait past :data:`STALLED_S` seconds
+        calls ``on_stall`` once, with the seconds waited.
         """
         slot = self._slot
         if slot is not None and self._header[_LIMIT] < 0 and self._unbounded(slot):
@@ -255,10 +261,14 @@ class Ledger:
             return
         if self._try_claim(size, want):
             return
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
         while not self._try_claim(size, want):
-            if time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
                 raise self._refusal(size)
+            if waited >= STALLED_S and on_stall is not None:
+                on_stall(waited)
+                on_stall = None  # told once
             time.sleep(POLL_S)
 
     def _unbounded(self, slot: int) -> bool:
@@ -390,7 +400,10 @@ class Ledger:
                 continue
             process = found.setdefault(key, ProcessSum())
             process.claimed += file.claims[i]
-            process.wanted += file.wants[i] if file.want_until[i] > now else 0
+            if file.wants[i] and file.want_until[i] > now:
+                process.wanted += file.wants[i]
+                since = file.want_since[i]
+                process.wanting_since = min(process.wanting_since or since, since)
             process.floor += file.floors[i]
             process.cap += file.caps[i]
         return found
@@ -471,7 +484,7 @@ class Ledger:
         """The limit and the live processes (dead ones' slots are cleared on
         the way)."""
         with self._locked():
-            file = self._file
+            file, now = self._file, time.monotonic_ns()
             holders = {}
             for key, process in self._processes(forget=True).items():
                 waited = [file.waited[i] for i in range(self._high()) if self._holder(i) == key]
@@ -481,5 +494,6 @@ class Ledger:
                     process.floor,
                     process.cap or None,
                     max(waited) / 1e9 if any(waited) else None,
+                    (now - process.wanting_since) / 1e9 if process.wanted else None,
                 )
             return LedgerView(self.device, self._limit_now(), holders)

@@ -103,7 +103,8 @@ def snapshot(state_dir: Path) -> dict[str, Any]:
     ``{"schema_version", "state_dir", "devices": [{"device", "type",
     "limit_bytes", "revision", "claimed_bytes", "processes": [{"pid",
     "command", "claimed_bytes", "wanted_bytes", "floor_bytes", "cap_bytes",
-    "waited_s", "in_use_bytes", "cached_bytes", "caches": [...]}]}]}``;
+    "waited_s", "wanting_s", "in_use_bytes", "cached_bytes", "caches":
+    [...]}]}]}``;
     devices by UUID, processes by pid (keys: docs/budget.md)."""
     ledgers = {view.device: view for view in read_ledgers(state_dir)}
     records = read_processes(state_dir)
@@ -151,6 +152,7 @@ def _process(
         "floor_bytes": held.floor_bytes,
         "cap_bytes": held.cap_bytes,
         "waited_s": held.waited_s,
+        "wanting_s": held.wanting_s,
         "in_use_bytes": _summed(caches, "in_use_bytes"),
         "cached_bytes": _summed(caches, "cached_bytes"),
         "caches": caches,

@@ -132,6 +132,7 @@ _PROCESS_GAUGES = (
     ("floor_bytes", "floor_bytes", "Kept for it while it holds less (0: none)."),
     ("cap_bytes", "cap_bytes", "The most it may claim (absent without a cap)."),
     ("waited_s", "waited_seconds", "How long its last met want waited (absent: none yet)."),
+    ("wanting_s", "wanting_seconds", "How long its standing want has stood unmet (3+: stalled)."),
 )
 #: A cache's gauges: the snapshot's key (the gauge's name) and its help.
 _CACHE_GAUGES = (

@@ -17,11 +17,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from extensible_kv.integrations.vllm.seam import Ledger
+from extensible_kv.integrations.vllm.seam import Ledger, StallWatch
 
 #: Seconds a reading of the ledgers is reused: the engine's loop asks for
 #: every step, and a want waits a step or two at most for it.
 READ_EVERY_S = 0.02
+#: Seconds between looks for a stalled want of this engine (each reads
+#: every ledger under its lock).
+STALL_EVERY_S = 1.0
 
 
 class Pressure:
@@ -43,6 +46,8 @@ class Pressure:
         #: the budget (the ``floor_bytes`` option, or set with
         #: ``extensible-kv limit --floor``), as last read.
         self.floor_blocks = 0
+        self._stalls = StallWatch()
+        self._stall_read_at = 0.0
 
     def learn(self, ledgers: tuple[tuple[str, str, int], ...]) -> None:
         """The ranks' ``(device_uuid, state_dir, pid)`` from a report."""
@@ -72,6 +77,18 @@ class Pressure:
             floor = max(floor, -(-ledger.floors_of(self._pids) // per_block))
         self._blocks, self.floor_blocks = most, floor
         return most
+
+    def stalled(self) -> list[str]:
+        """What to log about this engine's wants that stalled (see
+        :class:`~extensible_kv.budget.stall.StallWatch`): one message per
+        device the first time, nothing again until that want is met; looks
+        at most every :data:`STALL_EVERY_S` seconds."""
+        now = time.monotonic()
+        if now - self._stall_read_at < STALL_EVERY_S:
+            return []
+        self._stall_read_at = now
+        found = (self._stalls.check(ledger, self._pids) for ledger, _ in self._ledgers.values())
+        return [message for message in found if message is not None]
 
     def spent(self) -> None:
         """Blocks were given back: the next question reads the ledgers again."""

@@ -152,6 +152,8 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
             orders = self._elastic.plan(self._demand(), give, self._ahead())
             if give:
                 self._pressure.spent()
+            for message in self._pressure.stalled():
+                logger.warning(message)
         output = super().schedule(*args, **kwargs)
         if self._elastic is not None:
             self._elastic.batch_scheduled()
