@@ -2,9 +2,11 @@
 memory flows to the engine with the load (docs/budget.md, "Several engines
 on one device").
 
-Two OpenAI servers with ``growth: "elastic"`` and the endpoint plug-in (which
-wakes an idle engine when another process wants memory) share a state
-directory, so one device budget; a stock server answers the same requests
+Two OpenAI servers with ``growth: "elastic"`` share a state directory, so
+one device budget: A with our endpoint plug-in switched on
+(``VLLM_PLUGINS=extensible_kv``), B without it, as a server is started by
+default, so that B gives way as an idle engine of ours does however it is
+run (its scheduler wakes its own idle loop); a stock server answers the same requests
 first, and every answer must carry its tokens. A thread reads the ledger
 every 20 ms for the whole module: the engines' claims together never pass
 the limit. Runs in ``nox -s vllm``.
@@ -105,10 +107,10 @@ class Watch:
 def engines(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Stock's tokens for every prompt, then our two servers under the limit."""
     state = tmp_path_factory.mktemp("state")
-    env = {"VLLM_PLUGINS": "extensible_kv", "EXTENSIBLE_KV_STATE_DIR": str(state)}
+    env = {"EXTENSIBLE_KV_STATE_DIR": str(state)}
     stock = Server(model, [])
-    a = Server(model, elastic_flags(), env)
-    b = Server(model, elastic_flags(floor_bytes=FLOOR), env)
+    a = Server(model, elastic_flags(), {**env, "VLLM_PLUGINS": "extensible_kv"})
+    b = Server(model, elastic_flags(floor_bytes=FLOOR), env)  # no plug-in
     watch = Watch(state)
     try:
         with stock.wait_healthy():

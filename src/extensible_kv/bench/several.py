@@ -18,9 +18,8 @@ wheel), on the tiny Llama with 16 KV heads the ``elastic`` case uses (a
   wants the memory, then gives them back, down to its floor. A burst that
   meets the limit lends its own prefix cache first and asks the other
   engine only for what that cannot cover; with caches this large, that is
-  part of every burst. The endpoint plug-in
-  (``VLLM_PLUGINS=extensible_kv``, on in both of ours) is what lets the
-  idle server give way.
+  part of every burst. The idle server gives way by itself: its scheduler
+  wakes vLLM's idle loop, with no endpoint plug-in.
 
 Every kind gets the same requests: bursts in turn, A, B, A, B, A, B (one
 engine bursts while the other idles, a second apart), each of 16 streamed
@@ -217,7 +216,6 @@ def _run(
     ours = kind in CACHE_OF
     if ours:
         set_device_limit(device_name(), LIMIT_BYTES)
-        env["VLLM_PLUGINS"] = "extensible_kv"
         server_flags = flags(LIMIT_BYTES, elastic_options(CACHE_OF[kind], FLOOR_BYTES))
     else:
         server_flags = flags(LIMIT_BYTES // len(ENGINES))

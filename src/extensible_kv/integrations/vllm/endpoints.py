@@ -15,25 +15,15 @@ Both read what every process already publishes in the budget's state
 directory; as vLLM's plug-in contract asks, they open no path into the
 engine. The figures are at most half a second old (docs/budget.md).
 
-With ``growth: "elastic"`` the plug-in also lets an idle engine give way.
-vLLM's engine core, with no request to run, blocks on its input queue, and
-only a request from its client wakes it; so while another process on the
-same device budget wants memory (:meth:`~extensible_kv.budget.Ledger.pressure`),
-the plug-in asks the engine the cheapest question there is
-(``is_sleeping``) every :data:`LOOK_EVERY_S` seconds. That wakes the engine
-core's loop, where the scheduler sees the want and gives back the blocks no
-request holds. No route is added for it, and nothing else reaches the engine.
+An idle elastic engine gives way to other processes' wants without the
+plug-in: its scheduler wakes its own loop
+(:mod:`~extensible_kv.integrations.vllm.scheduler.give_way`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import time
 from argparse import Namespace
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -44,17 +34,10 @@ from prometheus_client.core import GaugeMetricFamily
 from vllm import envs
 
 from extensible_kv.integrations.vllm.client import process_title
-from extensible_kv.integrations.vllm.seam import Ledger, StateDirError, snapshot, state_dir
-
-logger = logging.getLogger(__name__)
+from extensible_kv.integrations.vllm.seam import StateDirError, snapshot, state_dir
 
 #: The routes' common prefix.
 PREFIX = "/extensible_kv"
-#: Seconds between two looks at the budget's wants (an idle engine's answer
-#: to a want takes this long at most, plus a step).
-LOOK_EVERY_S = 0.05
-#: Seconds between two listings of the ledgers and this instance's processes.
-RELIST_S = 2.0
 
 
 def instance_pids() -> set[int]:
@@ -200,58 +183,12 @@ class ExtensibleKVEndpoints:
         app.include_router(_router())
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        """The routes need nothing set up (each reads the state directory);
-        with elastic growth, start the look at the budget's wants that lets
-        the idle engine give way (see the module)."""
-        if engine_client is not None and _growth(args) == "elastic":
-            state.extensible_kv_give_way = asyncio.create_task(give_way(engine_client))
-
-
-def _growth(args: Namespace) -> object:
-    """The ``growth`` option of the server's ``--additional-config``."""
-    extra = getattr(args, "additional_config", None)
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra)
-        except ValueError:
-            return None
-    options = extra.get("extensible_kv") if isinstance(extra, dict) else None
-    return options.get("growth") if isinstance(options, dict) else None
-
-
-async def give_way(engine_client: Any) -> None:
-    """Until the server stops: while another process on a device budget this
-    instance claims from wants memory, wake the engine core (see the module)."""
-    ledgers: dict[Path, Ledger] = {}
-    pids: set[int] = set()
-    listed_at = -RELIST_S
-    warned = False
-    while True:
-        await asyncio.sleep(LOOK_EVERY_S)
-        try:
-            if time.monotonic() - listed_at >= RELIST_S:
-                pids, listed_at = instance_pids(), time.monotonic()
-                _list_ledgers(ledgers)
-            if any(ledger.pressure(pids) for ledger in ledgers.values()):
-                await engine_client.is_sleeping()
-        except Exception as exc:  # the server goes on serving; say it once
-            if not warned:
-                logger.warning("extensible-kv: cannot read the budget's wants: %s", exc)
-                warned = True
-
-
-def _list_ledgers(ledgers: dict[Path, Ledger]) -> None:
-    """Open every device ledger in the state directory not open yet."""
-    where = state_dir()
-    for path in sorted((where / "devices").glob("*.ledger")):
-        if path not in ledgers:
-            ledgers[path] = Ledger(where, path.stem)
+        """Nothing to set up: each route reads the state directory."""
 
 
 __all__ = [
     "PREFIX",
     "ExtensibleKVEndpoints",
-    "give_way",
     "instance_pids",
     "instance_state",
     "metrics_text",

@@ -51,11 +51,15 @@ class Pressure:
 
     def learn(self, ledgers: tuple[tuple[str, str, int], ...]) -> None:
         """The ranks' ``(device_uuid, state_dir, pid)`` from a report."""
+        # New values, swapped in whole: :meth:`others_want` reads them on
+        # another thread.
+        known, pids = dict(self._ledgers), set(self._pids)
         for device, where, pid in ledgers:
             key = (device, where)
-            ledger, ranks = self._ledgers.get(key) or (Ledger(Path(where), device), 0)
-            self._ledgers[key] = (ledger, ranks + 1)
-            self._pids.add(pid)
+            ledger, ranks = known.get(key) or (Ledger(Path(where), device), 0)
+            known[key] = (ledger, ranks + 1)
+            pids.add(pid)
+        self._ledgers, self._pids = known, pids
 
     @property
     def known(self) -> bool:
@@ -77,6 +81,13 @@ class Pressure:
             floor = max(floor, -(-ledger.floors_of(self._pids) // per_block))
         self._blocks, self.floor_blocks = most, floor
         return most
+
+    def others_want(self) -> bool:
+        """Whether another process on the engine's devices wants memory now:
+        read from the ledgers alone, so safe on a thread beside the
+        scheduler's (:class:`~extensible_kv.integrations.vllm.scheduler.give_way.GiveWay`)."""
+        ledgers, mine = self._ledgers, self._pids
+        return any(ledger.pressure(mine) for ledger, _ in ledgers.values())
 
     def stalled(self) -> list[str]:
         """What to log about this engine's wants that stalled (see

@@ -54,6 +54,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from extensible_kv.integrations.vllm.options import options_of  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.give_way import (  # noqa: E402
+    GiveWay,
+    input_queue_of_engine,
+)
 from extensible_kv.integrations.vllm.scheduler.plan import ElasticPlan  # noqa: E402
 from extensible_kv.integrations.vllm.scheduler.pressure import Pressure  # noqa: E402
 from extensible_kv.integrations.vllm.seam import segmentation  # noqa: E402
@@ -118,6 +122,14 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         #: What one step's token budget (vLLM's ``max_num_scheduled_tokens``)
         #: can fill, in blocks: the most a step can start on before the next plan.
         self._step_blocks = -(-int(self.max_num_scheduled_tokens) // int(self.block_size))
+        inbox = input_queue_of_engine()
+        self._give_way = None if inbox is None else GiveWay(inbox, self._pressure.others_want)
+        if inbox is None:
+            logger.info(
+                "extensible-kv: this engine is stepped in its client's process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0): it gives memory back to other "
+                "processes' wants only while generate() runs"
+            )
         logger.info(
             "extensible-kv: elastic KV memory, units of %d blocks, the prefix cache "
             "within %d bytes (%d blocks)",
@@ -183,6 +195,13 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
             return False
         wanted = self._pressure.blocks_wanted() > 0
         return elastic.needs_step() or (wanted and (elastic.can_give() or elastic.keeps_idle))
+
+    def shutdown(self) -> None:
+        if self._elastic is not None:
+            if self._give_way is not None:
+                self._give_way.close()
+            self._pressure.close()
+        super().shutdown()
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         if self._elastic is None:

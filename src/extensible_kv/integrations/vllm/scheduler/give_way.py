@@ -1,0 +1,103 @@
+"""An idle engine gives way to another process's want, however it is run.
+
+vLLM's engine-core loop, with no request to run, blocks on its input queue
+(``EngineCoreProc._process_input_queue``), and only its client's next
+message wakes it: the scheduler's :meth:`has_requests`, which is true while
+another process wants memory this engine holds idle, is not asked again
+until then. An ``LLM`` idle between ``generate`` calls, or a server nobody
+sends a request, would hold its prefix cache against every want.
+
+:class:`GiveWay` is a daemon thread in the engine-core process that looks at
+the device budget's wants every :data:`LOOK_EVERY_S` seconds and, while
+another process wants memory, puts vLLM's own wake-up sentinel
+(``EngineCoreRequestType.WAKEUP``, which its shutdown uses for the same
+purpose) on the loop's input queue. The loop then asks the scheduler again,
+runs one step if it has memory to give, and the step's orders give it back.
+Nothing is released outside a step, so no step in flight can touch memory
+that goes: the thread only wakes the loop.
+
+An engine stepped in the client's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+has no loop to wake: it steps only while ``generate`` runs, and gives way
+then (:func:`input_queue_of_engine` finds no queue, and the scheduler says so
+in its log).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.engine.core import EngineCoreProc
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two looks at the wants: an idle engine answers a want
+#: within this, plus one step.
+LOOK_EVERY_S = 0.05
+#: Seconds :meth:`GiveWay.close` waits for the thread (a look is a few loads).
+JOIN_S = 5.0
+
+
+def input_queue_of_engine() -> queue.Queue[Any] | None:
+    """The input queue of the engine-core loop whose scheduler is being made
+    (call it from the scheduler's ``__init__``); None where the engine has
+    no loop of its own (stepped in the client's process).
+
+    vLLM gives a scheduler no handle on the loop that runs it, and offers
+    no hook to wake that loop; the engine core makes its scheduler from its
+    own ``__init__``, so the loop is the nearest caller that is an
+    ``EngineCoreProc``. Only its queue is kept, and only vLLM's own wake-up
+    sentinel is ever put on it.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, EngineCoreProc):
+            found: queue.Queue[Any] = owner.input_queue
+            return found
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class GiveWay:
+    """Wakes an idle engine-core loop while ``wanted()`` says another process
+    wants memory (see the module).
+
+    Args:
+        inbox: the loop's input queue (:func:`input_queue_of_engine`).
+        wanted: whether another process on the engine's devices wants memory
+            now; called on this thread, so it must read only what is safe
+            to read beside the loop (the budget's ledgers).
+    """
+
+    def __init__(self, inbox: queue.Queue[Any], wanted: Callable[[], bool]) -> None:
+        self._inbox = inbox
+        self._wanted = wanted
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="extensible-kv-give-way", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stop.wait(LOOK_EVERY_S):
+            try:
+                # A wake already waiting in the queue is enough: never pile them up.
+                if self._inbox.empty() and self._wanted():
+                    self._inbox.put_nowait((EngineCoreRequestType.WAKEUP, None))
+            except Exception as exc:  # the engine goes on serving; say it once
+                if not warned:
+                    logger.warning("extensible-kv: cannot read the budget's wants: %s", exc)
+                    warned = True
+
+    def close(self) -> None:
+        """Stop looking, and wait for the thread to end (within a look), so
+        that the ledgers it reads can be closed after."""
+        self._stop.set()
+        self._thread.join(JOIN_S)
