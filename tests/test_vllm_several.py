@@ -32,6 +32,7 @@ import psutil  # vLLM's dependency
 from extensible_kv.bench.child import prompt
 from extensible_kv.budget import Ledger, snapshot
 from extensible_kv.demo.tiny_models import save_tiny_model
+from vllm_program import Program
 from vllm_server import SCHEDULER, WORKER, MiB, Server
 
 #: 16 KV heads: a block of 32 tokens is 256 KiB over the 2 layers, a unit
@@ -46,8 +47,15 @@ PROMPTS = {
     "a_burst": [prompt(100 + i, 400) for i in range(16)],
     "b_after": [prompt(200 + i, 200) for i in range(2)],
     "a_alone": [prompt(300 + i, 400) for i in range(16)],
+    # The same turns with B as an LLM in a Python program.
+    "p_burst": [prompt(500 + i, 300) for i in range(8)],
+    "a_program": [prompt(600 + i, 400) for i in range(16)],
+    "p_after": [prompt(700 + i, 200) for i in range(2)],
 }
-NEW_TOKENS = {"b_burst": 16, "a_burst": 32, "b_after": 8, "a_alone": 32}
+NEW_TOKENS = {
+    **{"b_burst": 16, "a_burst": 32, "b_after": 8, "a_alone": 32},
+    **{"p_burst": 16, "a_program": 32, "p_after": 8},
+}
 #: Seconds a want may take to be met, here on 2 loaded cores (the benchmark
 #: measures it; docs/performance.md).
 WANT_MET_S = 10
@@ -141,23 +149,31 @@ def engines(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
 
 def worker_pid(server: Server, state: Path) -> int:
     """The server's process that claims on the device (its engine core)."""
-    mine = set(server.children())
+    return claimer(server.children(), state)
+
+
+def claimer(family: list[int], state: Path) -> int:
+    """The one process of ``family`` that claims on the device."""
     (pid,) = [
         p["pid"]
         for d in snapshot(state)["devices"]
         for p in d["processes"]
-        if p["pid"] in mine and p["claimed_bytes"]
+        if p["pid"] in family and p["claimed_bytes"]
     ]
     return pid
 
 
 def held(engines: dict[str, Any], name: str) -> int:
+    return claim_of(engines, engines["pid"][name])
+
+
+def claim_of(engines: dict[str, Any], pid: int) -> int:
     ledger = Ledger(engines["state"], engines["device"])
     try:
         claims = {key.pid: value for key, value in ledger.read().claims.items()}
     finally:
         ledger.close()
-    return claims.get(engines["pid"][name], 0)
+    return claims.get(pid, 0)
 
 
 def wait_for(condition: Any, timeout_s: float) -> None:
@@ -196,3 +212,26 @@ def test_a_killed_engine_leaves_its_memory_to_the_other(engines: dict[str, Any])
     a_peak = max(watch.claims(engines["pid"]["a"], started))
     assert a_peak > LIMIT - FLOOR  # B's floor and memory went with B
     assert watch.highest_total <= LIMIT
+
+
+def test_an_idle_llm_program_gives_way_with_no_plug_in(engines: dict[str, Any], model: str) -> None:
+    """B's turns again, as an ``LLM`` in a Python program idle between
+    ``generate`` calls (B is gone: the last test killed it)."""
+    a, stock, watch = engines["a"], engines["stock"], engines["watch"]
+    options = {"extensible_kv": {"growth": "elastic", "floor_bytes": FLOOR}}
+    settings = {"model": model, "multiprocessing": True, "additional_config": options}
+    program = Program(settings, {"EXTENSIBLE_KV_STATE_DIR": str(engines["state"])})
+    try:
+        assert program.generate(PROMPTS["p_burst"], NEW_TOKENS["p_burst"]) == stock["p_burst"]
+        pid = claimer(program.family(), engines["state"])
+        wait_for(lambda: claim_of(engines, pid) > FLOOR, 5)  # its prefix cache, idle
+        time.sleep(0.5)
+        p_idle = claim_of(engines, pid)
+        started = time.monotonic()
+        assert a.complete(PROMPTS["a_program"], NEW_TOKENS["a_program"]) == stock["a_program"]
+        p_low = min(watch.claims(pid, started))
+        assert FLOOR <= p_low < p_idle  # the idle program gave back, down to its floor
+        assert watch.highest_total <= LIMIT
+        assert program.generate(PROMPTS["p_after"], NEW_TOKENS["p_after"]) == stock["p_after"]
+    finally:
+        program.stop()

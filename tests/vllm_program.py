@@ -1,0 +1,135 @@
+"""An ``LLM`` in a Python program of its own, for tests that run engines as
+people write them: it makes one ``LLM`` and then, for each line of JSON on
+its stdin (``{"prompts": [[token ids]], "max_tokens": n}``), prints the
+greedy completions' token ids as one line of JSON after :data:`MARK`. Idle between lines, as
+a notebook or a batch job is between ``generate`` calls.
+
+    python tests/vllm_program.py '{"model": DIR, "additional_config": {...}}'
+
+Settings: ``model``, ``additional_config`` (our worker and scheduler are
+used), ``multiprocessing`` (vLLM's default engine-core process, else the
+engine steps in this one). It prints ``ready`` (after the mark) once the
+engine is made.
+:class:`Program` runs it from a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+#: Seconds the program may take to start, or to answer one line.
+PATIENCE_S = 300
+MiB = 1 << 20
+#: What starts the program's own lines on its stdout.
+MARK = "@@ "
+
+
+class Program:
+    """``tests/vllm_program.py`` in a process of its own (see the module)."""
+
+    def __init__(self, settings: dict[str, Any], env: dict[str, str]) -> None:
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), json.dumps(settings)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._answer() == "ready", self.stderr()[-4000:]
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(MARK):  # vLLM logs to stdout too
+                self._lines.put(line[len(MARK) :].strip())
+
+    def _answer(self) -> str:
+        try:
+            return self._lines.get(timeout=PATIENCE_S)
+        except queue.Empty:
+            raise AssertionError(
+                f"the program said nothing for {PATIENCE_S} s: {self.stderr()[-4000:]}"
+            ) from None
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy completions of token prompts; their tokens, in order."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.process.stdin.flush()
+        answer: list[list[int]] = json.loads(self._answer())
+        return answer
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def family(self) -> list[int]:
+        """The program's pid and its descendants' (its engine core's)."""
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        return [self.process.pid, *(child.pid for child in children)]
+
+    def stop(self) -> None:
+        """End the program and every process it started."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, 9)
+        self.process.wait(60)
+        self._stderr.close()
+
+
+def main() -> None:
+    settings: dict[str, Any] = json.loads(sys.argv[1])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings["multiprocessing"] else "0"
+    for name, value in {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_CI_ENV": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }.items():
+        os.environ.setdefault(name, value)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=settings["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=512,
+        block_size=32,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=128 * MiB,
+        worker_cls="extensible_kv.integrations.vllm.ExtensibleKVWorker",
+        scheduler_cls="extensible_kv.integrations.vllm.ExtensibleKVScheduler",
+        additional_config=settings["additional_config"],
+    )
+    print(MARK + "ready", flush=True)
+    for line in sys.stdin:
+        asked = json.loads(line)
+        params = SamplingParams(max_tokens=asked["max_tokens"], temperature=0, ignore_eos=True)
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in asked["prompts"]], params, use_tqdm=False
+        )
+        answer = [list(out.outputs[0].token_ids) for out in outputs]
+        print(MARK + json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()
