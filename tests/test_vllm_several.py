@@ -235,3 +235,20 @@ def test_an_idle_llm_program_gives_way_with_no_plug_in(engines: dict[str, Any], 
         assert program.generate(PROMPTS["p_after"], NEW_TOKENS["p_after"]) == stock["p_after"]
     finally:
         program.stop()
+
+
+def test_an_engine_stepped_in_its_programs_process_says_it_gives_way_only_in_generate(
+    engines: dict[str, Any], model: str
+) -> None:
+    options = {"extensible_kv": {"growth": "elastic", "floor_bytes": FLOOR}}
+    settings = {"model": model, "multiprocessing": False, "additional_config": options}
+    program = Program(settings, {"EXTENSIBLE_KV_STATE_DIR": str(engines["state"])})
+    try:
+        said = program.stderr()
+        assert "it gives memory back to other processes' wants only while generate() runs" in said
+        assert (
+            program.generate(PROMPTS["p_after"], NEW_TOKENS["p_after"])
+            == engines["stock"]["p_after"]
+        )
+    finally:
+        program.stop()

@@ -125,7 +125,7 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         inbox = input_queue_of_engine()
         self._give_way = None if inbox is None else GiveWay(inbox, self._pressure.others_want)
         if inbox is None:
-            logger.info(
+            logger.warning(
                 "extensible-kv: this engine is stepped in its client's process "
                 "(VLLM_ENABLE_V1_MULTIPROCESSING=0): it gives memory back to other "
                 "processes' wants only while generate() runs"
