@@ -30,7 +30,7 @@ PATIENCE_S = 60
 WANTING = """
 import sys
 from pathlib import Path
-from extensible_kv.budget import STALLED_S, Ledger
+from extensible_kv.budget import Ledger
 Ledger(Path(sys.argv[1]), sys.argv[2]).claim(8 << 20, timeout_s=float(sys.argv[3]))
 """
 

@@ -214,13 +214,18 @@ def test_a_killed_engine_leaves_its_memory_to_the_other(engines: dict[str, Any])
     assert watch.highest_total <= LIMIT
 
 
+def elastic_program(engines: dict[str, Any], model: str, *, multiprocessing: bool) -> Program:
+    """An ``LLM`` program with B's options, on the engines' budget."""
+    options = {"extensible_kv": {"growth": "elastic", "floor_bytes": FLOOR}}
+    settings = {"model": model, "multiprocessing": multiprocessing, "additional_config": options}
+    return Program(settings, {"EXTENSIBLE_KV_STATE_DIR": str(engines["state"])})
+
+
 def test_an_idle_llm_program_gives_way_with_no_plug_in(engines: dict[str, Any], model: str) -> None:
     """B's turns again, as an ``LLM`` in a Python program idle between
     ``generate`` calls (B is gone: the last test killed it)."""
     a, stock, watch = engines["a"], engines["stock"], engines["watch"]
-    options = {"extensible_kv": {"growth": "elastic", "floor_bytes": FLOOR}}
-    settings = {"model": model, "multiprocessing": True, "additional_config": options}
-    program = Program(settings, {"EXTENSIBLE_KV_STATE_DIR": str(engines["state"])})
+    program = elastic_program(engines, model, multiprocessing=True)
     try:
         assert program.generate(PROMPTS["p_burst"], NEW_TOKENS["p_burst"]) == stock["p_burst"]
         pid = claimer(program.family(), engines["state"])
@@ -240,9 +245,7 @@ def test_an_idle_llm_program_gives_way_with_no_plug_in(engines: dict[str, Any], 
 def test_an_engine_stepped_in_its_programs_process_says_it_gives_way_only_in_generate(
     engines: dict[str, Any], model: str
 ) -> None:
-    options = {"extensible_kv": {"growth": "elastic", "floor_bytes": FLOOR}}
-    settings = {"model": model, "multiprocessing": False, "additional_config": options}
-    program = Program(settings, {"EXTENSIBLE_KV_STATE_DIR": str(engines["state"])})
+    program = elastic_program(engines, model, multiprocessing=False)
     try:
         said = program.stderr()
         assert "it gives memory back to other processes' wants only while generate() runs" in said

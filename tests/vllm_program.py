@@ -27,6 +27,8 @@ from typing import Any
 
 import psutil
 
+from extensible_kv.bench.child import SCHEDULER, WORKER, quiet_vllm_cpu
+
 #: Seconds the program may take to start, or to answer one line.
 PATIENCE_S = 300
 MiB = 1 << 20
@@ -97,13 +99,7 @@ class Program:
 def main() -> None:
     settings: dict[str, Any] = json.loads(sys.argv[1])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings["multiprocessing"] else "0"
-    for name, value in {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_CI_ENV": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-    }.items():
-        os.environ.setdefault(name, value)
+    quiet_vllm_cpu(HF_HUB_OFFLINE="1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -116,8 +112,8 @@ def main() -> None:
         block_size=32,
         enable_prefix_caching=True,
         kv_cache_memory_bytes=128 * MiB,
-        worker_cls="extensible_kv.integrations.vllm.ExtensibleKVWorker",
-        scheduler_cls="extensible_kv.integrations.vllm.ExtensibleKVScheduler",
+        worker_cls=WORKER,
+        scheduler_cls=SCHEDULER,
         additional_config=settings["additional_config"],
     )
     print(MARK + "ready", flush=True)

@@ -4,7 +4,8 @@ waits for, and what each could give back.
 A process whose claim a device's limit refuses posts a want and waits (a
 claim within :func:`~extensible_kv.waiting_for_budget`), or asks again at
 every step (an elastic vLLM engine). Nothing else in the waiting process
-says why it waits: once a want has stood :data:`STALLED_S` seconds, the
+says why it waits: once a want has stood
+:data:`~extensible_kv.budget.STALLED_S` seconds, the
 waiting process logs one warning naming every other process that holds
 memory on the device, with its pid, command line, claim, floor, cap and
 cached bytes (the idle blocks of its prefix cache, where its engine counts
@@ -17,13 +18,12 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.budget.holders import STALLED_S
 from extensible_kv.budget.ledger import Ledger
 from extensible_kv.budget.liveness import command_line, one_line
 from extensible_kv.budget.sizes import format_bytes
 from extensible_kv.budget.snapshot import snapshot
 
-__all__ = ["STALLED_S", "StallWatch", "stall_message"]
+__all__ = ["StallWatch", "stall_message"]
 
 
 def stall_message(
@@ -74,9 +74,9 @@ class StallWatch:
         if not wanting:
             self._told.discard(ledger.device)
             return None
-        waited = max(held.wanting_s or 0.0 for held in wanting)
-        if waited < STALLED_S or ledger.device in self._told:
+        if not any(held.stalled for held in wanting) or ledger.device in self._told:
             return None
         self._told.add(ledger.device)
         size = sum(held.wanted_bytes for held in wanting)
+        waited = max(held.wanting_s or 0.0 for held in wanting)
         return stall_message(ledger.state_dir, ledger.device, size, waited, mine)
