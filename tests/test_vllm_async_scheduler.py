@@ -26,6 +26,7 @@ pipeline parallelism makes).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -64,6 +65,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from extensible_kv import ExtensibleTensor, KVCacheBuffers
 from extensible_kv.demo.tiny_models import save_tiny_model
 from extensible_kv.integrations.vllm.options import SCHEDULER, SCHEDULER_MARK, check_scheduler
+from extensible_kv.integrations.vllm.scheduler.demand import blocks_soon, blocks_to_finish
+from extensible_kv.integrations.vllm.scheduler.plan import REFUSED_RETRY_S
 from extensible_kv.integrations.vllm.scheduler.scheduler import (
     ExtensibleKVAsyncScheduler,
     ExtensibleKVScheduler,
@@ -366,6 +369,45 @@ def test_a_late_answer_does_not_commit_a_unit_given_back_since(model: str) -> No
     state.schedule()  # idle: units the load no longer needs go back
     state.finish_a_batch()
     check(state)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_refused_engine_asks_at_once_for_what_its_requests_need_to_finish(
+    model: str, async_scheduling: bool
+) -> None:
+    """Three requests of 100 prompt tokens and 200 new ones (19 blocks each
+    at their end) under a budget of three units: the first orders ask for
+    what the prompts need soon, and are refused in part. Once another
+    process made room, the next orders ask, in one want, for every block
+    the requests need to finish (57 blocks and the null block: 8 units),
+    not for the next step's blocks."""
+    state = machine(model, async_scheduling=async_scheduling)
+    state.worker.budget_units = 3
+    for _ in range(3):
+        state.arrive(prefix=None, length=100, max_tokens=200)
+    state.schedule()
+    first = state.in_flight[0].output.extensible_kv
+    assert len(units_of(first.wanted)) > 2, "asked for more than the budget grants"
+    assert len(units_of(first.wanted)) < 7, "asked only for what the prompts need soon"
+    state.finish_a_batch()
+    time.sleep(REFUSED_RETRY_S)
+    state.worker.budget_units = 12  # another process gave way
+    state.schedule()
+    check(state)
+    assert len(state.worker.held) >= 8
+    while state.in_flight:
+        state.finish_a_batch()  # the report: the units join the free blocks
+    finished = blocks_to_finish(state.scheduler.waiting, state.scheduler.running, BLOCK_SIZE, 512)
+    assert finished <= state.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def test_what_requests_need_to_finish_stops_at_the_models_length() -> None:
+    """A request asking for more tokens than the model's length holds at
+    most ``max_model_len`` tokens: 512 tokens, 32 blocks, not 69."""
+    request = Request("r", list(range(100)), SamplingParams(max_tokens=1000), None)
+    assert blocks_to_finish([request], [], BLOCK_SIZE, 512) == 32
+    assert blocks_to_finish([request], [], BLOCK_SIZE, 4096) == -(-1100 // BLOCK_SIZE)
+    assert blocks_soon([request], [], BLOCK_SIZE) == -(-102 // BLOCK_SIZE)
 
 
 class _Pending(AsyncModelRunnerOutput):

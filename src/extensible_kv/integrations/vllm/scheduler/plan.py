@@ -123,7 +123,7 @@ class ElasticPlan:
         # what this plan committed: without blocks ahead, a burst's first
         # step grows for the requests it saw, and the rest wait a step more
         # for their units (a step's time on every first token but the first).
-        if give_blocks or self._refused_recently():
+        if give_blocks or self.refused_recently():
             ahead_blocks = 0
         # Handles of units given back may wait idle for the next commits
         # (a burst then creates none) only while the engine runs and no one
@@ -136,7 +136,7 @@ class ElasticPlan:
         # costs the idle engine a step (and on vLLM's CPU build, a core for
         # a second after it: a worker busy-waits on its queue that long),
         # and its cache is what lets its next request start warm.
-        queue.lend_cached = self._refused_recently() or self._all_committed()
+        queue.lend_cached = self.refused_recently() or self._all_committed()
         ask = False
         short = demand_blocks + ahead_blocks - queue.num_clean
         if self._pending:
@@ -148,7 +148,7 @@ class ElasticPlan:
             more |= self._release(-short)
         elif time.monotonic() >= self._retry_at:
             own = queue.num_clean + queue.num_cached
-            ask = self._refused_recently() and own < demand_blocks
+            ask = self.refused_recently() and own < demand_blocks
             self._ask_for(short)
         queue.changed = more
         wanted = tuple(self._pending)
@@ -231,7 +231,9 @@ class ElasticPlan:
 
     # -- the units held -----------------------------------------------------------
 
-    def _refused_recently(self) -> bool:
+    def refused_recently(self) -> bool:
+        """Whether a budget refused units within the last second (the
+        retry's wait and a second after it)."""
         return time.monotonic() < self._retry_at + 1.0
 
     def _all_committed(self) -> bool:

@@ -54,6 +54,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from extensible_kv.integrations.vllm.options import options_of  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.demand import (  # noqa: E402
+    blocks_soon,
+    blocks_to_finish,
+)
 from extensible_kv.integrations.vllm.scheduler.give_way import (  # noqa: E402
     GiveWay,
     input_queue_of_engine,
@@ -138,17 +142,14 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
             cache_bytes // bytes_per_block,
         )
 
-    def _demand(self) -> int:
-        """Free blocks the requests need soon: the rest of every waiting
-        prompt, and what running requests need for two more tokens (beyond
-        the tokens async scheduling has scheduled ahead of their output)."""
+    def _demand(self, to_finish: bool) -> int:
+        """Free blocks the requests need: soon, or, ``to_finish`` (once a
+        budget refused the plan), to finish
+        (:mod:`~extensible_kv.integrations.vllm.scheduler.demand`)."""
         size = int(self.block_size)
-        need: int = sum(-(-(r.num_tokens + 2) // size) for r in self.waiting)
-        for request in self.running:
-            held = -(-request.num_computed_tokens // size)
-            ahead = request.num_tokens_with_spec + request.num_output_placeholders + 2
-            need += max(0, -(-ahead // size) - held)
-        return need
+        if to_finish:
+            return blocks_to_finish(self.waiting, self.running, size, int(self.max_model_len))
+        return blocks_soon(self.waiting, self.running, size)
 
     def _ahead(self) -> int:
         """Free blocks kept ahead of the demand while requests wait or run
@@ -161,7 +162,8 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         if self._elastic is not None:
             give = self._pressure.blocks_wanted()
             self._elastic.floor_blocks = self._pressure.floor_blocks
-            orders = self._elastic.plan(self._demand(), give, self._ahead())
+            demand = self._demand(self._elastic.refused_recently())
+            orders = self._elastic.plan(demand, give, self._ahead())
             if give:
                 self._pressure.spent()
             for message in self._pressure.stalled():
