@@ -10,7 +10,9 @@ engines on one device"):
 - a refused claim posts a want of at least its size, which later claims pay
   down;
 - :meth:`Ledger.pressure` is what other processes want beyond the room;
-- a floor or limit that would not fit is refused and changes nothing.
+- a floor or limit that would not fit is refused and changes nothing;
+- the most a process could ever hold (:meth:`LedgerView.most_for`) is the
+  limit less the other processes' floors, within its cap.
 
 Example tests pin a version 1 ledger moved up in place (by processes
 opening it together too), the refusal's words, the wait a met want records,
@@ -261,6 +263,19 @@ class PressureMachine(RuleBasedStateMachine):
             for wanted, at in self.wants
         ):
             assert answer == f"ok {expected}"
+
+    def _most(self, p: int) -> int | None:
+        cap = self.caps[p] or None
+        if self.limit is None:
+            return cap
+        room = max(0, self.limit - sum(f for q, f in enumerate(self.floors) if q != p))
+        return room if cap is None else min(room, cap)
+
+    @invariant()
+    def the_most_a_process_could_hold_is_the_limit_less_the_others_floors(self) -> None:
+        view = self.ledger.read()
+        for p, child in enumerate(self.children):
+            assert view.most_for({child.pid}) == self._most(p)
 
     @invariant()
     def the_ledger_holds_what_the_model_does(self) -> None:

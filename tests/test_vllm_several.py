@@ -255,3 +255,32 @@ def test_an_engine_stepped_in_its_programs_process_says_it_gives_way_only_in_gen
         )
     finally:
         program.stop()
+
+
+def test_a_request_that_can_never_fit_is_refused_naming_the_limit(
+    engines: dict[str, Any],
+) -> None:
+    """This test's process takes a floor of the limit less 6 MiB: A could
+    never hold more than 6 MiB (24 blocks). A request of 400 prompt tokens
+    and 100 new ones needs 17 blocks and the null block, two units (8 MiB):
+    vLLM's "length" finish, no tokens, the limit named in its stop reason
+    and once in A's log, instead of a wait for ever. A serves again once
+    the floor is gone."""
+    a, stock = engines["a"], engines["stock"]
+    ledger = Ledger(engines["state"], engines["device"])
+    try:
+        ledger.claim(MiB)  # a slot: a floor is for a process that claims
+        ledger.set_floor_and_cap(LIMIT - 6 * MiB, None)
+        (choice,) = a.completion([prompt(900, 400)], max_tokens=100)["choices"]
+    finally:
+        ledger.set_floor_and_cap(0, None)
+        ledger.give_back(ledger.held)
+        ledger.close()
+    assert choice["finish_reason"] == "length"
+    assert choice["token_ids"] == []
+    said = choice["stop_reason"]
+    assert "can never finish on this engine" in said, said
+    assert "the device's limit of 64.0 MiB less the other processes' floors (58.0 MiB)" in said
+    assert "need 8.00 MiB of KV memory (32 blocks)" in said, said
+    assert a.stderr().count("can never finish on this engine") == 1
+    assert a.complete(PROMPTS["b_after"], NEW_TOKENS["b_after"]) == stock["b_after"]

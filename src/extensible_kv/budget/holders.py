@@ -3,6 +3,7 @@ one look at the whole), and the checks of what may be written into it."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from extensible_kv._checks import check_int
@@ -74,6 +75,23 @@ class LedgerView:
     @property
     def claimed_bytes(self) -> int:
         return sum(held.claimed_bytes for held in self.holders.values())
+
+    def floors_besides(self, pids: Collection[int]) -> int:
+        """Bytes of the floors of every live process not in ``pids``: what
+        the limit keeps for them whatever ``pids`` claim."""
+        return sum(h.floor_bytes for p, h in self.holders.items() if p.pid not in pids)
+
+    def most_for(self, pids: Collection[int]) -> int | None:
+        """The most bytes the processes ``pids`` could ever hold together:
+        the limit less the other live processes' floors, and within their
+        caps where every one has a cap; None with neither."""
+        mine = [h for p, h in self.holders.items() if p.pid in pids]
+        caps = [h.cap_bytes for h in mine]
+        capped = sum(c for c in caps if c is not None) if caps and None not in caps else None
+        if self.limit.bytes is None:
+            return capped
+        room = max(0, self.limit.bytes - self.floors_besides(pids))
+        return room if capped is None else min(room, capped)
 
 
 def check_limit(name: str, limit_bytes: object) -> None:

@@ -17,6 +17,7 @@ import torch
 from extensible_kv import granule_size, unavailable_reason, waiting_for_budget
 from extensible_kv._checks import check_bool, check_int
 from extensible_kv.budget import Ledger, snapshot, state_dir
+from extensible_kv.budget.sizes import format_bytes
 from extensible_kv.budget.stall import StallWatch
 from extensible_kv.budget.state_dir import StateDirError
 from extensible_kv.devices import get_driver, resolve_device, without_wants
@@ -51,6 +52,7 @@ __all__ = [
     "at_capacity",
     "check_bool",
     "check_int",
+    "format_bytes",
     "get_driver",
     "granule_size",
     "ledger_of",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["blocks_soon", "blocks_to_finish"]
+__all__ = ["blocks_at_end", "blocks_soon", "blocks_to_finish"]
 
 
 def blocks_soon(waiting: Iterable[Any], running: Iterable[Any], block_size: int) -> int:
@@ -34,13 +34,18 @@ def blocks_to_finish(
     ``max_tokens`` of output (at most ``max_model_len`` tokens in all),
     less the blocks a running one holds; never less than
     :func:`blocks_soon`'s count for it."""
-    need = 0
-    for request in waiting:
-        need += -(-max(_final(request, max_model_len), request.num_tokens + 2) // block_size)
+    need = sum(blocks_at_end(request, block_size, max_model_len) for request in waiting)
     for request in running:
         tokens = max(_final(request, max_model_len), _ahead(request))
         need += max(0, -(-tokens // block_size) - _held(request, block_size))
     return need
+
+
+def blocks_at_end(request: Any, block_size: int, max_model_len: int) -> int:
+    """Blocks a request holds when it finishes: its prompt and its
+    ``max_tokens`` of output, at most ``max_model_len`` tokens (and never
+    fewer than it holds two tokens from now)."""
+    return -(-max(_final(request, max_model_len), int(request.num_tokens) + 2) // block_size)
 
 
 def _final(request: Any, max_model_len: int) -> int:

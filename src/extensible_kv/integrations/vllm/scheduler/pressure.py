@@ -15,6 +15,7 @@ post a want (:class:`~extensible_kv.kv.growth.elastic.ElasticOrders`'
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from extensible_kv.integrations.vllm.seam import Ledger, StallWatch
@@ -25,6 +26,28 @@ READ_EVERY_S = 0.02
 #: Seconds between looks for a stalled want of this engine (each reads
 #: every ledger under its lock).
 STALL_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Room:
+    """The most KV memory an engine could ever hold, on its tightest device.
+
+    Attributes:
+        blocks: that memory in the engine's blocks.
+        bytes_per_block: bytes one of the engine's blocks takes there (on
+            every rank of the engine on the device).
+        device: the device's UUID.
+        limit_bytes: the device's limit (None: none, the engine's caps bound it).
+        floors_bytes: the floors of the device's other processes.
+        most_bytes: what the engine's ranks there could hold together.
+    """
+
+    blocks: int
+    bytes_per_block: int
+    device: str
+    limit_bytes: int | None
+    floors_bytes: int
+    most_bytes: int
 
 
 class Pressure:
@@ -81,6 +104,24 @@ class Pressure:
             floor = max(floor, -(-ledger.floors_of(self._pids) // per_block))
         self._blocks, self.floor_blocks = most, floor
         return most
+
+    def room(self) -> Room | None:
+        """The most this engine could ever hold: on each of its devices the
+        limit less the other processes' floors, within its ranks' caps
+        (:meth:`~extensible_kv.budget.LedgerView.most_for`); the tightest.
+        None before a worker named a ledger, or with no limit and no cap."""
+        tightest: Room | None = None
+        for ledger, ranks in self._ledgers.values():
+            view = ledger.read()
+            most = view.most_for(self._pids)
+            if most is None:
+                continue
+            per_block = self.bytes_per_block * ranks
+            if tightest is None or most // per_block < tightest.blocks:
+                floors = view.floors_besides(self._pids)
+                limit = view.limit.bytes
+                tightest = Room(most // per_block, per_block, view.device, limit, floors, most)
+        return tightest
 
     def others_want(self) -> bool:
         """Whether another process on the engine's devices wants memory now:

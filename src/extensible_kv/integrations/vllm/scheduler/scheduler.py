@@ -52,8 +52,11 @@ check_vllm_version(installed_vllm())
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from extensible_kv.integrations.vllm.options import options_of  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.admission import Admission  # noqa: E402
 from extensible_kv.integrations.vllm.scheduler.demand import (  # noqa: E402
     blocks_soon,
     blocks_to_finish,
@@ -126,6 +129,11 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         #: What one step's token budget (vLLM's ``max_num_scheduled_tokens``)
         #: can fill, in blocks: the most a step can start on before the next plan.
         self._step_blocks = -(-int(self.max_num_scheduled_tokens) // int(self.block_size))
+        self._admission = Admission(
+            self._pressure, int(self.block_size), per_unit, int(self.max_model_len)
+        )
+        #: Per client, the outputs of requests refused since the last output.
+        self._refused: dict[int, list[EngineCoreOutput]] = {}
         inbox = input_queue_of_engine()
         self._give_way = None if inbox is None else GiveWay(inbox, self._pressure.others_want)
         if inbox is None:
@@ -157,9 +165,27 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         follows the load down."""
         return self._step_blocks if self.waiting or self.running else 0
 
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)
+        if self._elastic is not None:
+            self._admission.add(request)
+
+    def _refuse(self, request: Any, message: str) -> None:
+        """Finish ``request``, which can never fit, as vLLM finishes a prompt
+        longer than the model's length, ``message`` its stop reason
+        (:mod:`~extensible_kv.integrations.vllm.scheduler.admission`)."""
+        logger.warning(message)
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_IGNORED)
+        output = EngineCoreOutput(
+            request.request_id, [], finish_reason=FinishReason.LENGTH, stop_reason=message
+        )
+        self._refused.setdefault(request.client_index, []).append(output)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         orders = None
         if self._elastic is not None:
+            for request, message in self._admission.never_fit():
+                self._refuse(request, message)
             give = self._pressure.blocks_wanted()
             self._elastic.floor_blocks = self._pressure.floor_blocks
             demand = self._demand(self._elastic.refused_recently())
@@ -184,6 +210,9 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         self._elastic.confirm(getattr(scheduler_output, "extensible_kv", None), report)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self._elastic.batch_finished()
+        refused, self._refused = self._refused, {}
+        for client, finished in refused.items():
+            outputs.setdefault(client, EngineCoreOutputs()).outputs.extend(finished)
         return outputs
 
     def has_requests(self) -> bool:
