@@ -13,8 +13,10 @@ undecided; then the ``elastic``
 case (a bursty day on stock, static and elastic growth; with ``--out``, its
 plot beside the JSON as ``elastic-memory.png``); then the ``several`` case
 (two OpenAI servers taking turns at bursts under one limit, against a
-static split of it; ``several-memory.png``). ``--only several`` runs that
-case alone. The table gives
+static split of it; ``several-memory.png``; and three servers replaying
+slices of the Azure LLM inference trace 2023 against the even and the best
+static split, ``several-trace.png``). ``--only several`` runs that case
+alone. The table gives
 median [min-max] over the rounds and ours over stock as ratios paired by
 round (decode: by pass), median [interval]; the JSON
 holds every run and each kind's resident-memory timeline, which
@@ -28,7 +30,7 @@ import argparse
 import json
 from pathlib import Path
 
-from extensible_kv.bench import child, elastic, engine, several
+from extensible_kv.bench import child, elastic, engine, several, trace
 from extensible_kv.bench.measure import MiB
 
 
@@ -59,6 +61,7 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"several": alone, "table": text}, indent=2))
             several.plot(alone, args.out.with_name("several-memory.png"))
+            trace.plot(alone["trace"], args.out.with_name("several-trace.png"))
         return
     results = engine.suite(
         args.rounds, args.kv_mib * MiB, lambda step: print(step, flush=True), args.skip
@@ -76,6 +79,8 @@ def main() -> None:
         for name, case in (("elastic", elastic), ("several", several)):
             if name in results:
                 case.plot(results[name], args.out.with_name(f"{name}-memory.png"))
+        if "several" in results:
+            trace.plot(results["several"]["trace"], args.out.with_name("several-trace.png"))
 
 
 if __name__ == "__main__":

@@ -1000,6 +1000,8 @@ def run_engine(
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.abstract import Executor
 
+    from extensible_kv.integrations.vllm.scheduler.scheduler import LINGER_S
+
     report: dict[str, Any] = {"errors": []}
     specs = load()
     tokens: dict[str, list[int]] = {s.name: [] for s in specs}
@@ -1059,12 +1061,24 @@ def run_engine(
         for wave in (1, 2, 3):
             todo = sorted((s for s in specs if s.wave == wave), key=lambda s: s.arrive)
             iteration = 0
-            while todo or scheduler.has_requests() or engine.batch_queue:
+            idle_until: float | None = None
+            while True:
                 while todo and todo[0].arrive <= iteration:
                     add(todo.pop(0))
                 iteration += 1
                 if not scheduler.has_requests() and not engine.batch_queue:
-                    continue  # idle until the next arrival, as the busy loop waits
+                    if todo:
+                        continue  # idle until the next arrival, as the busy loop waits
+                    # The wave is done. vLLM's loop now waits on its queue; the
+                    # elastic scheduler's GiveWay wakes it once the idle engine's
+                    # linger is over, and the steps then give memory back.
+                    if idle_until is None:
+                        idle_until = time.monotonic() + (LINGER_S + 1.0 if elastic else 0.0)
+                    if time.monotonic() >= idle_until:
+                        break
+                    time.sleep(0.02)
+                    continue
+                idle_until = None
                 counts["steps"] += 1
                 if counts["steps"] > 5000 or time.monotonic() > deadline:
                     raise TimeoutError(

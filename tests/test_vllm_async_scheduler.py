@@ -65,6 +65,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from extensible_kv import ExtensibleTensor, KVCacheBuffers
 from extensible_kv.demo.tiny_models import save_tiny_model
 from extensible_kv.integrations.vllm.options import SCHEDULER, SCHEDULER_MARK, check_scheduler
+from extensible_kv.integrations.vllm.scheduler import scheduler as scheduler_module
 from extensible_kv.integrations.vllm.scheduler.demand import blocks_soon, blocks_to_finish
 from extensible_kv.integrations.vllm.scheduler.plan import REFUSED_RETRY_S
 from extensible_kv.integrations.vllm.scheduler.scheduler import (
@@ -315,11 +316,11 @@ def check(state: ElasticUnderABatchQueue) -> None:
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_unit_aborted_under_a_running_batch_stays_until_the_batch_ends(
-    model: str, async_scheduling: bool
+    model: str, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request spanning units 0 and 1 is aborted while its decode batch
     runs; the next schedule (the engine idle) gives back no unit that batch
-    uses, and once it ends, unit 1 goes."""
+    uses, and once it ends and the idle engine's linger is over, unit 1 goes."""
     state = machine(model, async_scheduling=async_scheduling)
     state.arrive(prefix=None, length=200, max_tokens=8)
     while not state.scheduler.running or state.scheduler.running[0].num_output_tokens == 0:
@@ -332,6 +333,8 @@ def test_a_unit_aborted_under_a_running_batch_stays_until_the_batch_ends(
     assert 1 in state.worker.held
     state.finish_a_batch()
     state.finish_a_batch()
+    assert not state.scheduler.has_requests(), "idle, nobody wanting: it keeps the unit a while"
+    monkeypatch.setattr(scheduler_module, "LINGER_S", 0.0)  # the linger is over
     assert state.scheduler.has_requests(), "the idle engine steps once more to give it back"
     state.schedule()
     assert 1 not in state.worker.held

@@ -173,6 +173,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
         out.append(elastic_table(results["vllm"]["elastic"]))
     if "several" in results.get("vllm", {}):
         out.append(several_table(results["vllm"]["several"]))
+        if "trace" in results["vllm"]["several"]:
+            out.append(trace_table(results["vllm"]["several"]["trace"]))
     if "scheduler" in results:
         out.extend(scheduler_tables(results["scheduler"]))
     out.append(goals(results))
@@ -266,6 +268,19 @@ def several_table(several: dict[str, Any]) -> Table:
         f"12. two vLLM servers under one {several['limit_bytes'] // MiB} MiB limit, alternating "
         f"bursts, against a static split ({several['rounds']} rounds): median [min-max]",
         rows(several),
+    )
+
+
+def trace_table(results: dict[str, Any]) -> Table:
+    """The ``several`` case's trace replay: three servers on slices of the
+    Azure LLM inference trace, against the even and the best static split."""
+    from extensible_kv.bench.trace import rows
+
+    return _table(
+        f"12b. three vLLM servers under one {results['limit_bytes'] // MiB} MiB limit "
+        "replaying the Azure LLM inference trace 2023, against static splits: "
+        "median [min-max]",
+        rows(results),
     )
 
 
@@ -452,12 +467,14 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     files.append(path)
     vllm = results.get("vllm")
     if vllm is not None and "skipped" not in vllm:
-        from extensible_kv.bench import elastic, several
+        from extensible_kv.bench import elastic, several, trace
 
         files.append(plot_vllm(vllm, out / "vllm-memory.png"))
         files.append(elastic.plot(vllm["elastic"], out / "elastic-memory.png"))
         if "several" in vllm:
             files.append(several.plot(vllm["several"], out / "several-memory.png"))
+            if "trace" in vllm["several"]:
+                files.append(trace.plot(vllm["several"]["trace"], out / "several-trace.png"))
     return files
 
 

@@ -225,14 +225,19 @@ class Server:
 
 @contextlib.contextmanager
 def servers(
-    model: str, names: Sequence[str], flags: list[str], env: dict[str, str]
+    model: str,
+    names: Sequence[str],
+    flags: list[str] | dict[str, list[str]],
+    env: dict[str, str],
 ) -> Iterator[dict[str, Server]]:
-    """Servers named ``names``, started together and healthy; stopped on the
-    way out whatever happens (an error, Ctrl-C)."""
+    """Servers named ``names``, started together and healthy, with the same
+    ``flags`` or each its own (by name); stopped on the way out whatever
+    happens (an error, Ctrl-C)."""
     started: dict[str, Server] = {}
     try:
         for name in names:
-            started[name] = Server(name, model, flags, env)
+            own = flags[name] if isinstance(flags, dict) else flags
+            started[name] = Server(name, model, own, env)
         deadline = time.monotonic() + START_S
         for server in started.values():
             server.wait_healthy(deadline)

@@ -57,6 +57,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from extensible_kv.bench import trace
 from extensible_kv.bench.child import (
     BLOCK_TOKENS,
     BYTES_PER_BLOCK,
@@ -298,14 +299,15 @@ def _longest(values: list[float | None]) -> float | None:
 
 
 def case(rounds: int, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every kind, ``rounds`` times, in turn (vLLM must be installed)."""
+    """Every kind, ``rounds`` times, in turn, then the trace replay
+    (:mod:`~extensible_kv.bench.trace`; vLLM must be installed)."""
     model = tiny_model()
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     for round_ in range(rounds):
         for kind in KINDS:
             progress(f"several, round {round_ + 1}/{rounds}: {kind}")
             runs[kind].append(child_figures(__name__, model, kind))
-    return summary(rounds, runs)
+    return summary(rounds, runs) | {"trace": trace.case(rounds, progress)}
 
 
 def summary(rounds: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -403,8 +405,11 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """:func:`rows` as a Markdown table."""
-    return markdown_table(rows(results))
+    """:func:`rows` as a Markdown table, and the trace replay's after it."""
+    text = markdown_table(rows(results))
+    if "trace" in results:
+        text += "\n\nthe trace replay\n\n" + markdown_table(trace.rows(results["trace"]))
+    return text
 
 
 def plot(results: dict[str, Any], path: Path) -> Path:

@@ -65,14 +65,16 @@ def input_queue_of_engine() -> queue.Queue[Any] | None:
 
 
 class GiveWay:
-    """Wakes an idle engine-core loop while ``wanted()`` says another process
-    wants memory (see the module).
+    """Wakes an idle engine-core loop while ``wanted()`` says it should step
+    (see the module).
 
     Args:
         inbox: the loop's input queue (:func:`input_queue_of_engine`).
-        wanted: whether another process on the engine's devices wants memory
-            now; called on this thread, so it must read only what is safe
-            to read beside the loop (the budget's ledgers).
+        wanted: whether the loop should step now: another process on the
+            engine's devices wants memory, or the idle engine's linger is
+            over and it has memory to give back; called on this thread, so
+            it must only read what is safe to read beside the loop (the
+            budget's ledgers, flags).
     """
 
     def __init__(self, inbox: queue.Queue[Any], wanted: Callable[[], bool]) -> None:

@@ -23,10 +23,11 @@ units, the prefix cache within ``cache_bytes``) is the block pool's free
 queue in this scheduler,
 :class:`~extensible_kv.integrations.vllm.scheduler.free_queue.PackedFreeQueue`.
 
-When no request runs, :meth:`ExtensibleKVScheduler.has_requests` stays true
+When no request runs, :meth:`ExtensibleKVScheduler.has_requests` turns true
 while orders wait to go out, so vLLM's engine-core loop (the default, a
 process of its own) runs one empty step that carries them: memory is back
-within a step of the load falling. An engine stepped in-process
+:data:`LINGER_S` after the load fell, or within a step of another process
+wanting it. An engine stepped in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps only while ``generate`` runs,
 so there the orders go with the next step.
 
@@ -44,6 +45,7 @@ in, so that orders sent meanwhile never give them back.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, ClassVar
 
 from extensible_kv.integrations.vllm.support import check_vllm_version, installed_vllm
@@ -75,6 +77,15 @@ logger = logging.getLogger(__name__)
 #: and of CUDA's device memory (2 MiB). Workers map exactly whatever their
 #: granularity; this only sizes the units the scheduler packs and counts.
 UNIT_BYTES = 2 << 20
+#: Seconds an idle engine keeps the memory it could give back while no
+#: other process wants it. Each step of an idle engine costs a host core
+#: for a second after it (vLLM's workers busy-wait on their queue that
+#: long), and the memory is committed again for the next request: on a
+#: trace whose requests come about a second apart, giving back at once
+#: stepped the idle servers after nearly every request, and the busy
+#: server's first tokens waited for the cores (docs/performance.md). A
+#: want is answered at once, lingering or not.
+LINGER_S = 2.0
 
 
 def blocks_per_unit(kv_cache_config: Any) -> int:
@@ -134,8 +145,10 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         )
         #: Per client, the outputs of requests refused since the last output.
         self._refused: dict[int, list[EngineCoreOutput]] = {}
+        #: When the engine last had requests (``time.monotonic``).
+        self._busy_at = 0.0
         inbox = input_queue_of_engine()
-        self._give_way = None if inbox is None else GiveWay(inbox, self._pressure.others_want)
+        self._give_way = None if inbox is None else GiveWay(inbox, self._should_step)
         if inbox is None:
             logger.warning(
                 "extensible-kv: this engine is stepped in its client's process "
@@ -184,6 +197,8 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         orders = None
         if self._elastic is not None:
+            if self.waiting or self.running:
+                self._busy_at = time.monotonic()
             for request, message in self._admission.never_fit():
                 self._refuse(request, message)
             give = self._pressure.blocks_wanted()
@@ -216,16 +231,32 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         return outputs
 
     def has_requests(self) -> bool:
-        """vLLM's answer; with elastic growth also true while orders wait
-        to go out, or while another process wants memory this engine holds
-        idle, in units or in handles its workers keep (a step gives it back)."""
+        """vLLM's answer; with elastic growth also true while another
+        process wants memory this engine holds idle, in units or in handles
+        its workers keep, and, :data:`LINGER_S` after the engine's last
+        request, while orders wait to go out (a step gives it back)."""
         if super().has_requests():
+            self._busy_at = time.monotonic()
             return True
         elastic = self._elastic
         if elastic is None:
             return False
         wanted = self._pressure.blocks_wanted() > 0
-        return elastic.needs_step() or (wanted and (elastic.can_give() or elastic.keeps_idle))
+        if wanted and (elastic.can_give() or elastic.keeps_idle):
+            return True
+        return self._lingered()
+
+    def _lingered(self) -> bool:
+        """Whether the idle engine has orders to send and has kept its
+        memory :data:`LINGER_S` since its last request."""
+        assert self._elastic is not None
+        return self._elastic.needs_step() and time.monotonic() - self._busy_at >= LINGER_S
+
+    def _should_step(self) -> bool:
+        """Whether the idle loop should step (asked by :class:`GiveWay` on
+        its thread: it reads the ledgers and plain flags, and changes
+        nothing): another process wants memory, or the linger is over."""
+        return self._pressure.others_want() or self._lingered()
 
     def shutdown(self) -> None:
         if self._elastic is not None:
