@@ -125,11 +125,13 @@ def candidates(
 ) -> list[tuple[int, ...]]:
     """The static splits searched for the best in hindsight, in bytes per
     engine: the even split, each engine given half the limit (the others a
-    quarter), and each given a sixth (the others the rest, halved), on the
-    grid of ``step_bytes``."""
+    quarter), and each given a quarter (the others the rest, halved), on
+    the grid of ``step_bytes``. (A stock server on the CPU build does not
+    start with KV memory for just one request of :data:`MAX_MODEL_LEN`
+    tokens, 8 MiB here: no share is that small.)"""
     steps, count = limit_bytes // step_bytes, len(STREAMS)
     shapes = [(steps // count,) * count]
-    for big in (steps // 2, steps // 6):
+    for big in (steps // 2, steps // 4):
         rest = steps - big
         for engine in range(count):
             shape = [rest // (count - 1)] * count
