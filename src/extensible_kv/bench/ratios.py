@@ -21,8 +21,9 @@ CONFIDENCE = 0.95
 
 
 def spread(values: Sequence[float | None]) -> dict[str, float] | None:
-    """min, median and max; None for a figure this kind does not have."""
-    if any(value is None for value in values):
+    """min, median and max; None for a figure this kind does not have (a
+    value None, or no values)."""
+    if not values or any(value is None for value in values):
         return None
     numbers = [float(value) for value in values if value is not None]
     return {"min": min(numbers), "median": statistics.median(numbers), "max": max(numbers)}

@@ -313,7 +313,7 @@ def case(rounds: int, progress: Callable[[str], None] = lambda _: None) -> dict[
 def summary(rounds: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The case's results from every kind's runs (:func:`figures`)."""
     stats = {
-        kind: {key: _spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
+        kind: {key: spread([run[key] for run in kind_runs]) for key, _, _ in FIGURES}
         for kind, kind_runs in runs.items()
     }
     return {
@@ -335,10 +335,6 @@ def summary(rounds: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any
             for kind, kind_runs in runs.items()
         },
     }
-
-
-def _spread(values: list[Any]) -> dict[str, float] | None:
-    return None if not values or any(v is None for v in values) else spread(values)
 
 
 def _ratio(stats: dict[str, Any], kind: str, key: str) -> float | None:

@@ -298,8 +298,8 @@ def summary(
     stats = {
         kind: {
             engine: {
-                key: _spread([run["engines"][engine][key] for run in kind_runs])
-                for key in ("ttft_p50_s", "ttft_p99_s", "slo", "tokens_per_s", "completed")
+                key: spread([run["engines"][engine][key] for run in kind_runs])
+                for key, _, _ in FIGURES
             }
             for engine in engines
         }
@@ -316,10 +316,6 @@ def summary(
         "timeline": runs["ours"][-1]["timeline"],
         "errors": [e for done in runs.values() for run in done for e in run["errors"]][:5],
     }
-
-
-def _spread(values: list[Any]) -> dict[str, float] | None:
-    return None if not values or any(v is None for v in values) else spread(values)
 
 
 if __name__ == "__main__":
