@@ -6,10 +6,12 @@ Two OpenAI servers with ``growth: "elastic"`` share a state directory, so
 one device budget: A with our endpoint plug-in switched on
 (``VLLM_PLUGINS=extensible_kv``), B without it, as a server is started by
 default, so that B gives way as an idle engine of ours does however it is
-run (its scheduler wakes its own idle loop); a stock server answers the same requests
-first, and every answer must carry its tokens. A thread reads the ledger
-every 20 ms for the whole module: the engines' claims together never pass
-the limit. Runs in ``nox -s vllm``.
+run (its scheduler wakes its own idle loop); a stock server answers the
+same requests first, and every answer must carry its tokens. B is then
+killed as it gives way, and its turns go to ``LLM`` programs: on one rank,
+on two tensor-parallel ranks, and stepped in the program's own process. A
+thread reads the ledger every 20 ms for the whole module: the engines'
+claims together never pass the limit. Runs in ``nox -s vllm``.
 """
 
 from __future__ import annotations
@@ -51,10 +53,15 @@ PROMPTS = {
     "p_burst": [prompt(500 + i, 300) for i in range(8)],
     "a_program": [prompt(600 + i, 400) for i in range(16)],
     "p_after": [prompt(700 + i, 200) for i in range(2)],
+    # And as a program on two tensor-parallel ranks.
+    "t_burst": [prompt(800 + i, 300) for i in range(8)],
+    "a_tp": [prompt(1100 + i, 400) for i in range(16)],
+    "t_after": [prompt(1000 + i, 200) for i in range(2)],
 }
 NEW_TOKENS = {
     **{"b_burst": 16, "a_burst": 32, "b_after": 8, "a_alone": 32},
     **{"p_burst": 16, "a_program": 32, "p_after": 8},
+    **{"t_burst": 16, "a_tp": 32, "t_after": 8},
 }
 #: Seconds a want may take to be met, here on 2 loaded cores (the benchmark
 #: measures it; docs/performance.md).
@@ -154,13 +161,18 @@ def worker_pid(server: Server, state: Path) -> int:
 
 def claimer(family: list[int], state: Path) -> int:
     """The one process of ``family`` that claims on the device."""
-    (pid,) = [
+    (pid,) = claimers(family, state)
+    return pid
+
+
+def claimers(family: list[int], state: Path) -> list[int]:
+    """The processes of ``family`` that claim on the device (its ranks)."""
+    return [
         p["pid"]
         for d in snapshot(state)["devices"]
         for p in d["processes"]
         if p["pid"] in family and p["claimed_bytes"]
     ]
-    return pid
 
 
 def held(engines: dict[str, Any], name: str) -> int:
@@ -201,23 +213,52 @@ def test_a_burst_takes_the_idle_engines_memory_down_to_its_floor(engines: dict[s
     assert b.complete(PROMPTS["b_after"], NEW_TOKENS["b_after"]) == stock["b_after"]
 
 
-def test_a_killed_engine_leaves_its_memory_to_the_other(engines: dict[str, Any]) -> None:
+def test_an_engine_killed_as_it_gives_way_leaves_its_memory_to_the_other(
+    engines: dict[str, Any],
+) -> None:
+    """B is killed once A wants its idle memory: as soon as A's want shows
+    in the ledger or B's claim falls, whichever comes first (B has begun
+    to give way). Nothing of B stays claimed or wanted, and A's request,
+    already waiting, is served with all the limit but nothing more."""
     a, b, stock, watch = engines["a"], engines["b"], engines["stock"], engines["watch"]
-    b_pid = engines["pid"]["b"]
-    os.killpg(b.process.pid, signal.SIGKILL)
-    b.process.wait(60)
-    wait_for(lambda: not psutil.pid_exists(b_pid), 30)
+    a_pid, b_pid = engines["pid"]["a"], engines["pid"]["b"]
+    wait_for(lambda: held(engines, "b") > FLOOR, 5)  # its prefix cache, idle
+    b_idle = held(engines, "b")
     started = time.monotonic()
-    assert a.complete(PROMPTS["a_alone"], NEW_TOKENS["a_alone"]) == stock["a_alone"]
-    a_peak = max(watch.claims(engines["pid"]["a"], started))
+    asking = a.complete_later(PROMPTS["a_alone"], NEW_TOKENS["a_alone"])
+    try:
+        wait_for(lambda: wanted_of(engines, a_pid) > 0 or held(engines, "b") < b_idle, 60)
+    finally:
+        os.killpg(b.process.pid, signal.SIGKILL)
+        b.process.wait(60)
+    assert asking.result() == stock["a_alone"]
+    wait_for(lambda: not psutil.pid_exists(b_pid), 30)
+    (device,) = snapshot(engines["state"])["devices"]
+    assert b_pid not in {p["pid"] for p in device["processes"]}  # nothing of B held
+    assert wanted_of(engines, a_pid) == 0
+    a_peak = max(watch.claims(a_pid, started))
     assert a_peak > LIMIT - FLOOR  # B's floor and memory went with B
     assert watch.highest_total <= LIMIT
 
 
-def elastic_program(engines: dict[str, Any], model: str, *, multiprocessing: bool) -> Program:
-    """An ``LLM`` program with B's options, on the engines' budget."""
-    options = {"extensible_kv": {"growth": "elastic", "floor_bytes": FLOOR}}
-    settings = {"model": model, "multiprocessing": multiprocessing, "additional_config": options}
+def wanted_of(engines: dict[str, Any], pid: int) -> int:
+    """Bytes process ``pid`` wants on the engines' device (0: none)."""
+    (device,) = snapshot(engines["state"])["devices"]
+    return sum(p["wanted_bytes"] for p in device["processes"] if p["pid"] == pid)
+
+
+def elastic_program(
+    engines: dict[str, Any], model: str, *, multiprocessing: bool, tp: int = 1
+) -> Program:
+    """An ``LLM`` program with B's options (its floor shared by its ``tp``
+    ranks), on the engines' budget."""
+    options = {"extensible_kv": {"growth": "elastic", "floor_bytes": FLOOR // tp}}
+    settings = {
+        "model": model,
+        "multiprocessing": multiprocessing,
+        "additional_config": options,
+        "tp": tp,
+    }
     return Program(settings, {"EXTENSIBLE_KV_STATE_DIR": str(engines["state"])})
 
 
@@ -238,6 +279,32 @@ def test_an_idle_llm_program_gives_way_with_no_plug_in(engines: dict[str, Any], 
         assert FLOOR <= p_low < p_idle  # the idle program gave back, down to its floor
         assert watch.highest_total <= LIMIT
         assert program.generate(PROMPTS["p_after"], NEW_TOKENS["p_after"]) == stock["p_after"]
+    finally:
+        program.stop()
+
+
+def test_the_tensor_parallel_ranks_of_an_idle_program_give_way_together(
+    engines: dict[str, Any], model: str
+) -> None:
+    """The turns of the test before, with the program's engine on two
+    tensor-parallel ranks: each rank claims half of every block, and both
+    give way, down to their floors, as the one scheduler orders."""
+    a, stock, watch = engines["a"], engines["stock"], engines["watch"]
+    program = elastic_program(engines, model, multiprocessing=True, tp=2)
+    try:
+        assert program.generate(PROMPTS["t_burst"], NEW_TOKENS["t_burst"]) == stock["t_burst"]
+        ranks = claimers(program.family(), engines["state"])
+        assert len(ranks) == 2
+        wait_for(lambda: all(claim_of(engines, pid) > FLOOR // 2 for pid in ranks), 5)
+        time.sleep(0.5)
+        idle = [claim_of(engines, pid) for pid in ranks]
+        assert idle[0] == idle[1]  # the ranks hold alike
+        started = time.monotonic()
+        assert a.complete(PROMPTS["a_tp"], NEW_TOKENS["a_tp"]) == stock["a_tp"]
+        for pid, was in zip(ranks, idle, strict=True):
+            assert FLOOR // 2 <= min(watch.claims(pid, started)) < was
+        assert watch.highest_total <= LIMIT
+        assert program.generate(PROMPTS["t_after"], NEW_TOKENS["t_after"]) == stock["t_after"]
     finally:
         program.stop()
 

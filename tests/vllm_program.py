@@ -8,8 +8,8 @@ a notebook or a batch job is between ``generate`` calls.
 
 Settings: ``model``, ``additional_config`` (our worker and scheduler are
 used), ``multiprocessing`` (vLLM's default engine-core process, else the
-engine steps in this one). It prints ``ready`` (after the mark) once the
-engine is made.
+engine steps in this one), ``tp`` (tensor-parallel ranks, 1 if left out).
+It prints ``ready`` (after the mark) once the engine is made.
 :class:`Program` runs it from a test.
 """
 
@@ -110,6 +110,7 @@ def main() -> None:
         dtype="float32",
         max_model_len=512,
         block_size=32,
+        tensor_parallel_size=settings.get("tp", 1),
         enable_prefix_caching=True,
         kv_cache_memory_bytes=128 * MiB,
         worker_cls=WORKER,
