@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from extensible_kv.budget import STALLED_S, Ledger
+from extensible_kv.budget.ledger import WANT_TTL_S
 from extensible_kv.driver import backend
+from extensible_kv.integrations.vllm.scheduler import pressure as pressure_module
 from extensible_kv.integrations.vllm.scheduler.pressure import STALL_EVERY_S, Pressure
 from extensible_kv.limits import set_device_limit, set_floor_and_cap
 
@@ -85,6 +87,33 @@ def test_giving_way_to_anothers_want_stops_at_the_floor(
         assert ledger.held == 4 * MiB
         assert pressure.blocks_wanted() == 4  # still wanted: the floor keeps it
         assert wanting.poll() is None  # still waiting, refused
+    finally:
+        ledger.give_back(ledger.held)
+        ledger.close()
+        pressure.close()
+
+
+def test_a_want_is_remembered_for_a_while_after_it_is_gone(
+    state: Path, wanting: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pressure_module, "WANTED_LATELY_S", 2.0)
+    set_device_limit("cpu", 8 * MiB)
+    ledger = Ledger(state, UUID)
+    ledger.claim(8 * MiB)
+    pressure = Pressure(BLOCK)
+    pressure.learn(((UUID, str(state), os.getpid()),))
+    try:
+        assert not pressure.wanted_lately()
+        _first_want(pressure)
+        assert pressure.wanted_lately()
+        wanting.kill()
+        wanting.wait(PATIENCE_S)
+        time.sleep(WANT_TTL_S + 0.1)
+        assert pressure.blocks_wanted() == 0  # the want lapsed with its process
+        assert pressure.wanted_lately()  # and is still remembered
+        time.sleep(2.0)
+        assert pressure.blocks_wanted() == 0
+        assert not pressure.wanted_lately()
     finally:
         ledger.give_back(ledger.held)
         ledger.close()

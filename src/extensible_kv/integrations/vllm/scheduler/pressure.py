@@ -26,6 +26,10 @@ READ_EVERY_S = 0.02
 #: Seconds between looks for a stalled want of this engine (each reads
 #: every ledger under its lock).
 STALL_EVERY_S = 1.0
+#: Seconds after another process last wanted memory of this engine during
+#: which the engine keeps no blocks ahead of its requests
+#: (:meth:`Pressure.wanted_lately`).
+WANTED_LATELY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class Pressure:
         self.floor_blocks = 0
         self._stalls = StallWatch()
         self._stall_read_at = 0.0
+        #: When a reading last found another process wanting (``time.monotonic``).
+        self._wanted_at = float("-inf")
 
     def learn(self, ledgers: tuple[tuple[str, str, int], ...]) -> None:
         """The ranks' ``(device_uuid, state_dir, pid)`` from a report."""
@@ -103,7 +109,14 @@ class Pressure:
             most = max(most, -(-ledger.pressure(self._pids) // per_block))
             floor = max(floor, -(-ledger.floors_of(self._pids) // per_block))
         self._blocks, self.floor_blocks = most, floor
+        if most:
+            self._wanted_at = now
         return most
+
+    def wanted_lately(self) -> bool:
+        """Whether another process wanted memory of this engine within the
+        last :data:`WANTED_LATELY_S` seconds (as :meth:`blocks_wanted` read)."""
+        return time.monotonic() - self._wanted_at < WANTED_LATELY_S
 
     def room(self) -> Room | None:
         """The most this engine could ever hold: on each of its devices the

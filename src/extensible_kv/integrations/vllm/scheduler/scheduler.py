@@ -175,8 +175,17 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
     def _ahead(self) -> int:
         """Free blocks kept ahead of the demand while requests wait or run
         (a step's worth); none when the engine is idle, so that its memory
-        follows the load down."""
-        return self._step_blocks if self.waiting or self.running else 0
+        follows the load down, and none while another process wanted memory
+        lately (:meth:`Pressure.wanted_lately`)."""
+        if not (self.waiting or self.running):
+            return 0
+        # Blocks ahead save a burst's later requests a step; taken from a
+        # budget another engine was refused by moments ago, they cost that
+        # engine a refusal, a want and this engine's step to give them back,
+        # again at every step (the trace replay's conversation servers held
+        # a step's token budget ahead through the code server's spike:
+        # docs/performance.md).
+        return 0 if self._pressure.wanted_lately() else self._step_blocks
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)
