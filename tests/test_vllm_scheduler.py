@@ -36,7 +36,9 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
+from extensible_kv.integrations.vllm.scheduler import plan as plan_module
 from extensible_kv.integrations.vllm.scheduler.plan import (
+    REFUSED_FOR_PLANS,
     REFUSED_RETRY_S,
     RELEASE_PER_STEP,
     ElasticPlan,
@@ -243,6 +245,32 @@ def test_an_engine_asks_others_only_once_refused_and_out_of_its_own_cache() -> N
     assert not first.ask_others  # the first try asks nobody
     assert retry is not None
     assert retry.ask_others  # refused, nothing of its own to lend
+
+
+def test_a_refusal_stays_recent_for_a_few_plans_however_slow_the_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps slower than the window in seconds (here it is none at all): the
+    plans right after a refusal still lend the prefix cache and keep no
+    blocks ahead; the one after them no longer does."""
+    monkeypatch.setattr(plan_module, "REFUSED_FOR_S", 0.0)
+    pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+    plan = ElasticPlan(pool, PER_UNIT, 4 * PER_UNIT)
+    worker = Worker(budget_units=2)
+    orders = plan.plan(40)
+    assert orders is not None
+    plan.confirm(orders, worker.apply(orders))  # refused in part
+    time.sleep(REFUSED_RETRY_S)
+    for _ in range(REFUSED_FOR_PLANS):
+        assert plan.refused_recently()
+        orders = plan.plan(4, ahead_blocks=16)
+        assert plan.queue.lend_cached
+        assert orders is None or not orders.wanted  # nothing asked ahead
+    assert not plan.refused_recently()
+    orders = plan.plan(4, ahead_blocks=16)
+    assert not plan.queue.lend_cached
+    assert orders is not None
+    assert orders.wanted  # the blocks ahead, asked for again
 
 
 def test_an_engine_lends_its_own_prefix_cache_before_asking_others() -> None:

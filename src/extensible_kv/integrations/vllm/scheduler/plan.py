@@ -37,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 #: Seconds before units a budget refused are asked for again.
 REFUSED_RETRY_S = 0.05
+#: A refusal counts as recent (:meth:`ElasticPlan.refused_recently`) for
+#: this many seconds after the retry's wait, and for this many plans,
+#: whichever lasts longer: on a loaded host a step can take more than a
+#: second, and a window in seconds alone closed between two steps (the
+#: engine then kept its prefix cache from its waiting requests and asked
+#: again at every other step; docs/performance.md, the trace replay).
+REFUSED_FOR_S = 1.0
+REFUSED_FOR_PLANS = 4
 #: The most units a step evicts from the prefix cache, and the most it
 #: looks at to give back (each costs a few microseconds of Python); the
 #: engine steps again for the rest.
@@ -81,6 +89,9 @@ class ElasticPlan:
         self.keeps_idle = False
         self._seq = 0
         self._retry_at = 0.0
+        #: Plans made, and how many had been made when a budget last refused units.
+        self._plans = 0
+        self._refused_plan = -REFUSED_FOR_PLANS
         self._held_cache: UnitRanges | None = None
 
     @property
@@ -114,6 +125,14 @@ class ElasticPlan:
         want), give back empty units past ``demand_blocks`` free blocks, ask
         for units up to it; and ``ahead_blocks`` free blocks more while no
         budget refuses and no other process wants memory."""
+        orders = self._orders(demand_blocks, give_blocks, ahead_blocks)
+        self._plans += 1
+        return orders
+
+    def _orders(
+        self, demand_blocks: int, give_blocks: int, ahead_blocks: int
+    ) -> ElasticOrders | None:
+        """:meth:`plan`'s orders (the plan's state changed as they say)."""
         queue = self.queue
         self.in_flight.given_back(queue.take_freed())
         more = self._bound_cache()
@@ -232,9 +251,12 @@ class ElasticPlan:
     # -- the units held -----------------------------------------------------------
 
     def refused_recently(self) -> bool:
-        """Whether a budget refused units within the last second (the
-        retry's wait and a second after it)."""
-        return time.monotonic() < self._retry_at + 1.0
+        """Whether a budget refused units within the last
+        :data:`REFUSED_FOR_S` seconds (after the retry's wait) or
+        :data:`REFUSED_FOR_PLANS` plans, whichever lasts longer."""
+        if self._plans - self._refused_plan < REFUSED_FOR_PLANS:
+            return True
+        return time.monotonic() < self._retry_at + REFUSED_FOR_S
 
     def _all_committed(self) -> bool:
         return self._committed.total == self.queue.num_units
@@ -329,6 +351,7 @@ class ElasticPlan:
             self._sent_held = self._held_ranges()
         if granted < asked:
             self._retry_at = time.monotonic() + REFUSED_RETRY_S
+            self._refused_plan = self._plans
             # A worker may hold units it could not report (a peer refused
             # them, a report went missing): the next orders say what to keep.
             self._sent_held = ()
