@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -32,8 +33,9 @@ pytest.importorskip("vllm")
 import psutil  # vLLM's dependency
 
 from extensible_kv.bench.child import prompt
-from extensible_kv.budget import Ledger, snapshot
+from extensible_kv.budget import STALLED_S, Ledger, snapshot
 from extensible_kv.demo.tiny_models import save_tiny_model
+from extensible_kv.integrations.vllm.scheduler.pressure import STALL_EVERY_S
 from vllm_program import Program
 from vllm_server import SCHEDULER, WORKER, MiB, Server
 
@@ -42,6 +44,9 @@ from vllm_server import SCHEDULER, WORKER, MiB, Server
 LIMIT = 64 * MiB
 #: B's floor: three units kept for it whatever A wants.
 FLOOR = 12 * MiB
+#: A unit of blocks (16 blocks of 32 tokens), and what an idle engine keeps
+#: of its memory whatever the others want: its unit 0.
+UNIT = 4 * MiB
 PROMPTS = {
     # B's burst leaves its prefix cache full (16 MiB, the default eighth).
     "b_burst": [prompt(i, 300) for i in range(8)],
@@ -57,11 +62,13 @@ PROMPTS = {
     "t_burst": [prompt(800 + i, 300) for i in range(8)],
     "a_tp": [prompt(1100 + i, 400) for i in range(16)],
     "t_after": [prompt(1000 + i, 200) for i in range(2)],
+    # One request of more than a unit, with all of A's memory but unit 0 taken.
+    "a_stall": [prompt(1200, 480)],
 }
 NEW_TOKENS = {
     **{"b_burst": 16, "a_burst": 32, "b_after": 8, "a_alone": 32},
     **{"p_burst": 16, "a_program": 32, "p_after": 8},
-    **{"t_burst": 16, "a_tp": 32, "t_after": 8},
+    **{"t_burst": 16, "a_tp": 32, "t_after": 8, "a_stall": 32},
 }
 #: Seconds a want may take to be met, here on 2 loaded cores (the benchmark
 #: measures it; docs/performance.md).
@@ -351,3 +358,24 @@ def test_a_request_that_can_never_fit_is_refused_naming_the_limit(
     assert "need 8.00 MiB of KV memory (32 blocks)" in said, said
     assert a.stderr().count("can never finish on this engine") == 1
     assert a.complete(PROMPTS["b_after"], NEW_TOKENS["b_after"]) == stock["b_after"]
+
+
+def test_a_want_that_stalls_is_logged_once_naming_the_holder(engines: dict[str, Any]) -> None:
+    """This test's process takes all the memory but A's unit 0 (A, idle,
+    gives the rest way) and keeps it while A serves a request of 480 + 32
+    tokens, which needs two units: A's log says once who holds the memory;
+    once it is given back, A serves the request with stock's tokens."""
+    a, stock = engines["a"], engines["stock"]
+    ledger = Ledger(engines["state"], engines["device"])
+    try:
+        ledger.claim(LIMIT - UNIT, timeout_s=WANT_MET_S)
+        waiting = a.complete_later(PROMPTS["a_stall"], NEW_TOKENS["a_stall"])
+        wait_for(lambda: "has waited" in a.stderr(), STALLED_S + 60)
+        time.sleep(2 * STALL_EVERY_S)  # the same want, looked at again
+        assert not waiting.done()
+    finally:
+        ledger.give_back(ledger.held)
+        ledger.close()
+    assert waiting.result() == stock["a_stall"]
+    (line,) = [x for x in a.stderr().splitlines() if "has waited" in x]
+    assert re.search(rf"pid {os.getpid()} \([^)]*\) holds 60\.0 MiB, floor none", line), line
