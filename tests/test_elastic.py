@@ -147,6 +147,70 @@ def test_sleep_gives_everything_back_and_wake_commits_unit_0_then_what_orders_ho
     assert reads(cache, 41) == {0}
 
 
+def test_a_sleep_keeping_units_restores_exactly_those_at_the_same_blocks(
+    cache: KVCacheBuffers, stats: StatisticsDriver
+) -> None:
+    granule = stats.granularity(0, False)
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    elastic.apply(ElasticOrders(1, 4, held=((0, 1), (3, 5), (10, 12))))
+    fill(cache, 13, 3)  # unit 3: kept
+    fill(cache, 41, 5)  # unit 10: kept
+    fill(cache, 18, 9)  # unit 4: held, not kept (free blocks)
+    elastic.release(keep=((3, 4), (10, 11)))
+    assert cache.physical_bytes == 0
+    assert (
+        elastic.kept_bytes == sum(per_block * t.num_segments for t, per_block in cache.buffers) * 8
+    )
+    elastic.wake()
+    assert elastic.held_units == ((0, 1), (3, 4), (10, 11))
+    assert cache.physical_bytes == expected_physical(cache, blocks_of({0, 3, 10}, 4), granule)
+    assert reads(cache, 13) == {3}
+    assert reads(cache, 41) == {5}
+    assert elastic.kept_bytes == 0
+    elastic.apply(ElasticOrders(2, 4, held=((0, 1), (3, 5), (10, 11))))
+    assert reads(cache, 18) == {0}  # not kept: zeroed when ordered again
+
+
+def test_keeping_a_unit_not_held_is_refused_and_the_cache_stays_awake(
+    cache: KVCacheBuffers,
+) -> None:
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    elastic.apply(ElasticOrders(1, 4, held=((0, 1), (3, 4))))
+    fill(cache, 13, 3)
+    held = cache.physical_bytes
+    with pytest.raises(ValueError, match=re.escape("units ((5, 6),) to keep over the sleep")):
+        elastic.release(keep=((3, 4), (5, 6)))
+    assert cache.physical_bytes == held
+    assert not cache.asleep
+    assert reads(cache, 13) == {3}
+
+
+def test_a_wake_that_fails_stays_asleep_with_its_copy_for_the_next_try(
+    stats: StatisticsDriver, device: str
+) -> None:
+    limited = FaultInjectingDriver(stats)
+    cache = elastic_cache(device, limited)
+    try:
+        elastic = ElasticBlocks(cache, CAPACITY)
+        elastic.start()
+        elastic.apply(ElasticOrders(1, 4, held=((0, 1), (10, 11))))
+        fill(cache, 41, 5)
+        elastic.release(keep=((10, 11),))
+        limited.byte_limit = 0
+        with pytest.raises(DriverError):
+            elastic.wake()
+        assert cache.asleep
+        assert cache.physical_bytes == 0
+        assert elastic.kept_bytes > 0
+        limited.byte_limit = None
+        elastic.wake()
+        assert reads(cache, 41) == {5}
+    finally:
+        cache.free()
+
+
 def test_bad_orders_are_refused_and_change_nothing(cache: KVCacheBuffers) -> None:
     elastic = ElasticBlocks(cache, CAPACITY)
     elastic.start()

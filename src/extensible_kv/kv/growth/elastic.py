@@ -24,9 +24,11 @@ equal to their granularity.
 
 The memory held this way is not the cache's committed prefix, which stays
 0, but the cache keeps the books of it (``kv/cache/held_units.py``): it counts
-the held blocks as its committed ones, a sleep (``release_physical``, which
-refuses to preserve them) and ``clear()`` give them back like any other,
-and :meth:`ElasticBlocks.wake` commits unit 0 again; the next orders commit
+the held blocks as its committed ones, and a sleep and ``clear()`` give them
+back like any other. :meth:`ElasticBlocks.release` may first copy the units
+the engine names to host memory (those its prefix cache holds blocks in,
+never the free ones), and :meth:`ElasticBlocks.wake` commits unit 0 and
+those units again, restored to the same block ids; the next orders commit
 what the next step needs. Books and memory agree after any failure: a
 unit is in the books exactly while every byte of it is mapped.
 """
@@ -37,9 +39,12 @@ from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+import torch
+
 from extensible_kv._checks import check_int
 from extensible_kv.buffer import Transaction, release_idle, release_outside_together
 from extensible_kv.driver import OutOfMemoryError
+from extensible_kv.kv.cache.backup import HostBackup
 from extensible_kv.kv.cache.commit_queue import serialized
 from extensible_kv.kv.cache.core import KVCacheBuffers
 from extensible_kv.kv.cache.held_units import ranges_of
@@ -151,6 +156,8 @@ class ElasticBlocks:
         self._books.set((), blocks_per_unit=1)
         #: The most blocks held at once so far.
         self.high_water = 0
+        #: Over a sleep that keeps units: those units, and their blocks' host copy.
+        self._kept: tuple[frozenset[int], HostBackup] | None = None
 
     @property
     def blocks_per_unit(self) -> int:
@@ -337,20 +344,61 @@ class ElasticBlocks:
 
     # -- sleep ----------------------------------------------------------------
 
-    def release(self) -> None:
-        """Sleep: give every byte back; :meth:`wake` commits the same units
-        again. Idempotent."""
-        self.cache.release_physical()
+    def _regions(self, units: Iterable[int]) -> list[torch.Tensor]:
+        """The bytes of ``units`` in every segment of every buffer, in order
+        (uint8 views of the cache's memory)."""
+        regions: list[torch.Tensor] = []
+        for (tensor, _), ranges in zip(self.cache.tensors, self._byte_ranges(units), strict=True):
+            full = tensor.full_view()
+            regions.extend(full[offset : offset + size] for offset, size in ranges)
+        return regions
+
+    def release(self, keep: UnitRanges = ()) -> None:
+        """Sleep: give every byte back. The blocks of the units ``keep``
+        (held ones; the units whose blocks the engine's prefix cache names)
+        are first copied to host memory, and :meth:`wake` commits those
+        units again with what they held; nothing else is copied.
+        Idempotent (asleep, ``keep`` is not looked at).
+
+        Raises ValueError, changing nothing, if a unit of ``keep`` is not held.
+        """
+        if self.cache.asleep:
+            return
+        kept = frozenset(units_of(keep))
+        if not kept <= self._held:
+            missing = ranges_of(kept - self._held)
+            raise ValueError(f"units {missing} to keep over the sleep are not held")
+        backup = HostBackup.capture(self._regions(kept)) if kept else None
+        try:
+            self.cache.release_physical()
+        except BaseException:
+            if backup is not None:
+                backup.free()
+            raise
+        self._kept = (kept, backup) if backup is not None else None
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host memory holding kept units' blocks over a sleep (0: none)."""
+        return 0 if self._kept is None else self._kept[1].nbytes
 
     def wake(self) -> None:
-        """Wake after :meth:`release`: commit unit 0 only (the engine reset
-        its prefix cache with the sleep). The next :meth:`apply` commits
-        what the step needs. Does nothing while awake."""
+        """Wake after :meth:`release`: commit unit 0, and the units kept over
+        the sleep with what they held (the rest is the engine's to order:
+        the next :meth:`apply` commits what the step needs). All or nothing:
+        if a commit or the copy fails the cache stays asleep, its copy kept
+        for the next try. Does nothing while awake."""
         if not self.cache.asleep:
             return
+        units, backup = self._kept if self._kept is not None else (frozenset({0}), None)
         self.cache.recommit(num_blocks=0)
         try:
-            self._commit({0})
+            self._commit(set(units) | {0})
+            if backup is not None:
+                backup.restore(self._regions(units))
         except BaseException:
             self.cache.release_physical()
             raise
+        if backup is not None:
+            backup.free()
+        self._kept = None
