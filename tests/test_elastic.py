@@ -172,6 +172,20 @@ def test_a_sleep_keeping_units_restores_exactly_those_at_the_same_blocks(
     assert reads(cache, 18) == {0}  # not kept: zeroed when ordered again
 
 
+def test_a_discarding_release_while_asleep_drops_the_kept_copy(cache: KVCacheBuffers) -> None:
+    elastic = ElasticBlocks(cache, CAPACITY)
+    elastic.start()
+    elastic.apply(ElasticOrders(1, 4, held=((0, 1), (10, 11))))
+    fill(cache, 41, 5)
+    elastic.release(keep=((10, 11),))
+    elastic.release(keep=((10, 11),))  # asleep: nothing changes
+    assert elastic.kept_bytes > 0
+    elastic.release()
+    assert elastic.kept_bytes == 0
+    elastic.wake()
+    assert elastic.held_units == ((0, 1),)
+
+
 def test_keeping_a_unit_not_held_is_refused_and_the_cache_stays_awake(
     cache: KVCacheBuffers,
 ) -> None:

@@ -165,6 +165,31 @@ def test_tags_level_two_discard_and_growth_behave_as_vllm_documents(models: dict
     assert report["tokens_after_grow"] == reference["tokens"]
 
 
+def test_an_elastic_sleep_that_keeps_the_prefix_cache(models: dict[str, str]) -> None:
+    """The same sleep with growth 'elastic': only the units steps wrote to
+    are copied, and the wake puts them back at the same block ids; the
+    repeated prompts are served from vLLM's prefix cache with stock's tokens."""
+    reference = stock(models, "llama", "float32")
+    report = run_engine(
+        {
+            "model": models["llama"],
+            "worker": "ours",
+            "our_scheduler": True,
+            "multiprocessing": True,
+            "additional_config": {"extensible_kv": {"growth": "elastic"}},
+            "steps": ["keep"],
+        }
+    )
+    start, asleep, awake = (report[f"state_{x}"] for x in ("start", "kept_asleep", "kept_awake"))
+    assert asleep["asleep"]
+    assert asleep["physical_bytes"] == 0
+    assert not awake["asleep"]
+    assert awake["base_ptrs"] == start["base_ptrs"]
+    assert report["tokens_after_keep"] == reference["tokens"]
+    assert report["cached_after_keep"] == reference["cached_again"]
+    assert sum(reference["cached_again"]) > 0
+
+
 @pytest.mark.parametrize("multiprocessing", [False, True])
 def test_a_sleep_that_keeps_the_prefix_cache(models: dict[str, str], multiprocessing: bool) -> None:
     """sleep(level=0), sleep_kv_cache(preserve=True), wake_kv_cache,

@@ -42,6 +42,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 OURS = "extensible_kv.integrations.vllm.ExtensibleKVWorker"
+SCHEDULER = "extensible_kv.integrations.vllm.ExtensibleKVScheduler"
 NEW_TOKENS = 16
 
 
@@ -344,6 +345,7 @@ def main() -> None:
             worker_cls=OURS if ours else "auto",
             additional_config=settings.get("additional_config", {}),
             kv_transfer_config=connector(settings.get("connector")),
+            **({"scheduler_cls": SCHEDULER} if settings.get("our_scheduler") else {}),
         )
     run = Run(llm, ours)
     run.report["start_s"] = time.perf_counter() - start

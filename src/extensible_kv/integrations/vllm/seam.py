@@ -30,7 +30,14 @@ from extensible_kv.kv import (
     allocate_kv_cache,
     at_capacity,
 )
-from extensible_kv.kv.growth import ElasticBlocks, ElasticOrders, ElasticReport, UnitRanges
+from extensible_kv.kv.growth import (
+    ElasticBlocks,
+    ElasticOrders,
+    ElasticReport,
+    UnitRanges,
+    ranges_of,
+    units_of,
+)
 from extensible_kv.kv.layouts import segmentation
 
 __all__ = [
@@ -56,8 +63,10 @@ __all__ = [
     "get_driver",
     "granule_size",
     "ledger_of",
+    "ranges_of",
     "segmentation",
     "snapshot",
+    "units_of",
     "state_dir",
     "unavailable_reason",
     "waiting_for_budget",

@@ -165,6 +165,11 @@ class ElasticBlocks:
         return self._books.blocks_per_unit
 
     @property
+    def held(self) -> frozenset[int]:
+        """The units held now (empty while the cache sleeps)."""
+        return self._books.units
+
+    @property
     def _held(self) -> frozenset[int]:
         return self._books.units
 
@@ -357,12 +362,15 @@ class ElasticBlocks:
         """Sleep: give every byte back. The blocks of the units ``keep``
         (held ones; the units whose blocks the engine's prefix cache names)
         are first copied to host memory, and :meth:`wake` commits those
-        units again with what they held; nothing else is copied.
-        Idempotent (asleep, ``keep`` is not looked at).
+        units again with what they held; nothing else is copied. Asleep, a
+        call with ``keep`` does nothing, and one without drops the copy a
+        sleep kept.
 
         Raises ValueError, changing nothing, if a unit of ``keep`` is not held.
         """
         if self.cache.asleep:
+            if not keep:
+                self._drop_kept()
             return
         kept = frozenset(units_of(keep))
         if not kept <= self._held:
@@ -376,6 +384,12 @@ class ElasticBlocks:
                 backup.free()
             raise
         self._kept = (kept, backup) if backup is not None else None
+
+    def _drop_kept(self) -> None:
+        """Free the copy kept over a sleep, if any: the wake commits unit 0 only."""
+        if self._kept is not None:
+            self._kept[1].free()
+            self._kept = None
 
     @property
     def kept_bytes(self) -> int:

@@ -24,7 +24,9 @@ from extensible_kv.integrations.vllm.seam import (
     PoolingDriver,
     accounting_of,
     get_driver,
+    ranges_of,
     segmentation,
+    units_of,
     without_wants,
 )
 from extensible_kv.integrations.vllm.worker.steps import scheduled_block_ids
@@ -77,6 +79,10 @@ class ElasticSteps:
         self.report: ElasticReport | None = None
         #: Whether a report named this worker's budget ledgers yet.
         self._told_ledgers = False
+        #: Units a step has written blocks of since they were committed
+        #: (zeroed): the only ones that may hold what vLLM's prefix cache
+        #: names, so the only ones a preserving sleep copies.
+        self.dirty: set[int] = set()
 
     def with_report(self, output: Any) -> Any:
         """``output`` (a step's, from vLLM's runner) carrying the report on
@@ -122,12 +128,29 @@ class ElasticSteps:
             # Woken since: commit what the scheduler counts again.
             self.blocks.apply(self.holding)
         used = scheduled_block_ids(scheduler_output)
+        per = self.blocks.blocks_per_unit
+        self.dirty = {unit for unit in self.dirty if unit in self.blocks.held}
+        self.dirty.update(block // per for block in used)
         if not self.blocks.holds(used):
             raise RuntimeError(
                 f"vLLM scheduled blocks outside the units the scheduler ordered "
                 f"({sorted(set(used))[:8]}...); run growth 'elastic' with "
                 f"scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'"
             )
+
+    def release(self, preserve: bool) -> None:
+        """Sleep: give every byte back; with ``preserve`` first copy the
+        units steps have written to (:attr:`dirty`), which the wake restores
+        at the same block ids, so vLLM's prefix cache stays valid. Asleep,
+        a discarding call drops the copy a preserving one made."""
+        if self.blocks.cache.asleep:
+            if not preserve:
+                self.blocks.release()
+                self.dirty = set()
+            return
+        keep = ranges_of(self.dirty & self.blocks.held) if preserve else ()
+        self.blocks.release(keep)
+        self.dirty = set(units_of(keep))
 
     def _with_ledgers(self, report: ElasticReport) -> ElasticReport:
         """The first report also names every rank's budget ledger, so the

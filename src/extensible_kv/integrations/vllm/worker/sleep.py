@@ -27,7 +27,7 @@ from extensible_kv.integrations.vllm.worker.steps import ended
 
 __all__ = [
     "blocks_in_use",
-    "check_preserving_sleep",
+    "check_kv_sleep",
     "parent_sleeps",
     "release_kv",
     "trim_to",
@@ -91,17 +91,9 @@ def wake_kv(
             cache.recommit()
 
 
-def check_preserving_sleep(preserve: bool, *, elastic: bool, connector: str | None) -> None:
-    """Refuse ``sleep_kv_cache(preserve)`` where it cannot be undone: a
-    preserving sleep of ``elastic`` memory (scattered units, no prefix to
-    keep), or any such sleep under a KV ``connector`` (its name; None
-    without one)."""
-    if preserve and elastic:
-        raise RuntimeError(
-            "sleep_kv_cache(preserve=True) keeps a committed prefix, and growth 'elastic' "
-            "holds scattered units: sleep without preserve (and reset the prefix cache), "
-            "or use growth 'on_demand' or 'static'"
-        )
+def check_kv_sleep(connector: str | None) -> None:
+    """Refuse ``sleep_kv_cache`` where it cannot be undone: under a KV
+    ``connector`` (its name; None without one)."""
     if connector is not None:
         raise RuntimeError(
             f"sleep_kv_cache would release the KV cache, which {connector} "

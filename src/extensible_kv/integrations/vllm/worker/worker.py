@@ -380,12 +380,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         """
         check_bool("preserve", preserve)
         kv = self._managed("sleep_kv_cache")
-        sleep.check_preserving_sleep(
-            preserve,
-            elastic=self._elastic is not None,
-            connector=self._connector_name() if self._has_connector() else None,
-        )
-        kv.cache.release_physical(preserve=preserve)
+        sleep.check_kv_sleep(self._connector_name() if self._has_connector() else None)
+        if self._elastic is not None:
+            self._elastic.release(preserve)
+        else:
+            kv.cache.release_physical(preserve=preserve)
 
     def wake_kv_cache(self, wait_s: float | None = None) -> None:
         """Commit the KV cache again at the same addresses, with what a
