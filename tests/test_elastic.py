@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extensible_kv import (
+    BudgetExceededError,
     DriverError,
     FaultInjectingDriver,
     PoolingDriver,
@@ -199,6 +200,42 @@ def test_keeping_a_unit_not_held_is_refused_and_the_cache_stays_awake(
     assert cache.physical_bytes == held
     assert not cache.asleep
     assert reads(cache, 13) == {3}
+
+
+def test_a_copy_the_limit_refuses_changes_nothing_and_the_sleep_claims_only_the_copy() -> None:
+    """On the host backend's shared budget, where the copy is claimed like
+    the cache: a limit with no room for the copy refuses the sleep, which
+    leaves the cache awake with its units and their contents; without the
+    limit, the sleep's claim is the copy's whole granules, nothing more."""
+    driver = get_driver("cpu")
+    cache = elastic_cache("cpu", driver)
+    ledger = driver.ledger(0)  # type: ignore[attr-defined]
+    granule = driver.granularity(0, False)
+    try:
+        elastic = ElasticBlocks(cache, CAPACITY)
+        elastic.start()
+        elastic.apply(ElasticOrders(1, 4, held=((0, 1), (3, 4), (10, 12))))
+        fill(cache, 13, 3)
+        held, claimed = cache.physical_bytes, ledger.held
+        ledger.set_limit(sum(ledger.read().claims.values()))
+        try:
+            with pytest.raises(BudgetExceededError):
+                elastic.release(keep=((3, 4),))
+        finally:
+            ledger.set_limit(None)
+        assert not cache.asleep
+        assert (cache.physical_bytes, ledger.held, elastic.kept_bytes) == (held, claimed, 0)
+        assert elastic.held_units == ((0, 1), (3, 4), (10, 12))
+        assert reads(cache, 13) == {3}
+        elastic.release(keep=((3, 4),))
+        copy = -(-elastic.kept_bytes // granule) * granule
+        assert 0 < copy < held
+        assert ledger.held == claimed - held + copy
+        elastic.wake()
+        assert reads(cache, 13) == {3}
+        assert ledger.held == claimed - held + cache.physical_bytes
+    finally:
+        cache.free()
 
 
 def test_a_wake_that_fails_stays_asleep_with_its_copy_for_the_next_try(

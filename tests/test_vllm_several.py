@@ -9,7 +9,8 @@ default, so that B gives way as an idle engine of ours does however it is
 run (its scheduler wakes its own idle loop); a stock server answers the
 same requests first, and every answer must carry its tokens. B is then
 killed as it gives way, and its turns go to ``LLM`` programs: on one rank,
-on two tensor-parallel ranks, and stepped in the program's own process. A
+on two tensor-parallel ranks, and stepped in the program's own process;
+last, a program sleeps keeping its prefix cache while A serves. A
 thread reads the ledger every 20 ms for the whole module: the engines'
 claims together never pass the limit. Runs in ``nox -s vllm``.
 """
@@ -64,11 +65,15 @@ PROMPTS = {
     "t_after": [prompt(1000 + i, 200) for i in range(2)],
     # One request of more than a unit, with all of A's memory but unit 0 taken.
     "a_stall": [prompt(1200, 480)],
+    # A program's prefix cache kept over its sleep while A serves.
+    "k_first": [prompt(1300 + i, 300) for i in range(4)],
+    "k_burst": [prompt(1400 + i, 400) for i in range(8)],
 }
 NEW_TOKENS = {
     **{"b_burst": 16, "a_burst": 32, "b_after": 8, "a_alone": 32},
     **{"p_burst": 16, "a_program": 32, "p_after": 8},
     **{"t_burst": 16, "a_tp": 32, "t_after": 8, "a_stall": 32},
+    **{"k_first": 16, "k_burst": 32},
 }
 #: Seconds a want may take to be met, here on 2 loaded cores (the benchmark
 #: measures it; docs/performance.md).
@@ -379,3 +384,57 @@ def test_a_want_that_stalls_is_logged_once_naming_the_holder(engines: dict[str, 
     assert waiting.result() == stock["a_stall"]
     (line,) = [x for x in a.stderr().splitlines() if "has waited" in x]
     assert re.search(rf"pid {os.getpid()} \([^)]*\) holds 60\.0 MiB, floor none", line), line
+
+
+def test_a_program_asleep_with_its_prefix_cache_wakes_with_it_once_a_has_served(
+    engines: dict[str, Any], model: str
+) -> None:
+    """An elastic ``LLM`` program sleeps keeping its prefix cache: under a
+    limit with no room for the copy the sleep is refused and nothing
+    changes; with room, its claim falls to the copy of the units its steps
+    wrote, A serves a burst, and the program wakes (A gives way) to the
+    same prefix-cache hits as before the sleep, with stock's tokens."""
+    a, stock = engines["a"], engines["stock"]
+    settings = {
+        "model": model,
+        "multiprocessing": True,
+        "additional_config": {"extensible_kv": {"growth": "elastic"}},
+    }
+    program = Program(settings, {"EXTENSIBLE_KV_STATE_DIR": str(engines["state"])})
+    ledger = Ledger(engines["state"], engines["device"])
+    try:
+        first, new = PROMPTS["k_first"], NEW_TOKENS["k_first"]
+        assert program.generate(first, new) == stock["k_first"]
+        tokens, warm = program.generate_counting(first, new)
+        assert tokens == stock["k_first"]
+        assert sum(warm) > 0
+        pid = claimer(program.family(), engines["state"])
+        idle = claim_of(engines, pid)
+        ledger.set_limit(idle)  # below what the engines hold: no room for any copy
+        try:
+            refused = program.ask({"op": "sleep"})
+        finally:
+            ledger.set_limit(LIMIT)
+        said = refused["error"] or ""
+        assert "BUDGET_EXCEEDED" in said and "extensible-kv limit" in said, said
+        assert not refused["state"]["asleep"]
+        assert refused["state"]["host_backup_bytes"] == 0
+        assert claim_of(engines, pid) == idle
+        assert program.ask({"op": "resume"})["error"] is None
+        asleep = program.ask({"op": "sleep"})
+        assert asleep["error"] is None
+        copy = asleep["state"]["host_backup_bytes"]
+        assert asleep["state"]["asleep"]
+        assert asleep["state"]["physical_bytes"] == 0
+        assert 0 < copy <= claim_of(engines, pid) < copy + UNIT  # the copy, whole granules
+        assert a.complete(PROMPTS["k_burst"], NEW_TOKENS["k_burst"]) == stock["k_burst"]
+        awake = program.ask({"op": "wake"})
+        assert awake["error"] is None
+        assert not awake["state"]["asleep"]
+        assert awake["state"]["host_backup_bytes"] == 0
+        tokens, hits = program.generate_counting(first, new)
+        assert tokens == stock["k_first"]
+        assert sum(hits) >= 0.9 * sum(warm)
+    finally:
+        ledger.close()
+        program.stop()

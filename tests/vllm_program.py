@@ -1,8 +1,16 @@
 """An ``LLM`` in a Python program of its own, for tests that run engines as
 people write them: it makes one ``LLM`` and then, for each line of JSON on
-its stdin (``{"prompts": [[token ids]], "max_tokens": n}``), prints the
-greedy completions' token ids as one line of JSON after :data:`MARK`. Idle between lines, as
-a notebook or a batch job is between ``generate`` calls.
+its stdin, answers with one line of JSON after :data:`MARK`. Idle between
+lines, as a notebook or a batch job is between ``generate`` calls. A line
+``{"prompts": [[token ids]], "max_tokens": n}`` is answered with the greedy
+completions' token ids and each request's prefix-cache hits (tokens):
+``{"tokens": [[...]], "cached": [...]}``. A line ``{"op": ...}`` is one of
+the sleep that keeps the prefix cache's turns, answered with the first
+rank's ``extensible_kv_state`` and ``error`` (what vLLM raised, or None):
+``"sleep"`` (``llm.sleep(level=0)``, then ``sleep_kv_cache(preserve=True)``),
+``"wake"`` (``wake_kv_cache``, waiting up to a minute for memory, then the
+scheduler resumed) and ``"resume"`` (the scheduler resumed only, after a
+refused sleep).
 
     python tests/vllm_program.py '{"model": DIR, "additional_config": {...}}'
 
@@ -68,13 +76,24 @@ class Program:
                 f"the program said nothing for {PATIENCE_S} s: {self.stderr()[-4000:]}"
             ) from None
 
+    def ask(self, line: dict[str, Any]) -> Any:
+        """The program's answer to one line (see the module)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(line) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._answer())
+
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy completions of token prompts; their tokens, in order."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.process.stdin.flush()
-        answer: list[list[int]] = json.loads(self._answer())
-        return answer
+        tokens, _ = self.generate_counting(prompts, max_tokens)
+        return tokens
+
+    def generate_counting(
+        self, prompts: list[list[int]], max_tokens: int
+    ) -> tuple[list[list[int]], list[int]]:
+        """:meth:`generate`'s tokens, and each request's prefix-cache hits (tokens)."""
+        answer = self.ask({"prompts": prompts, "max_tokens": max_tokens})
+        return answer["tokens"], answer["cached"]
 
     def stderr(self) -> str:
         self._stderr.seek(0)
@@ -120,12 +139,36 @@ def main() -> None:
     print(MARK + "ready", flush=True)
     for line in sys.stdin:
         asked = json.loads(line)
+        if "op" in asked:
+            print(MARK + json.dumps(turn(llm, asked["op"])), flush=True)
+            continue
         params = SamplingParams(max_tokens=asked["max_tokens"], temperature=0, ignore_eos=True)
         outputs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in asked["prompts"]], params, use_tqdm=False
         )
-        answer = [list(out.outputs[0].token_ids) for out in outputs]
+        answer = {
+            "tokens": [list(out.outputs[0].token_ids) for out in outputs],
+            "cached": [int(out.num_cached_tokens or 0) for out in outputs],
+        }
         print(MARK + json.dumps(answer), flush=True)
+
+
+def turn(llm: Any, op: str) -> dict[str, Any]:
+    """One turn of the sleep that keeps the prefix cache (see the module)."""
+    error = None
+    try:
+        if op == "sleep":
+            llm.sleep(level=0)
+            llm.collective_rpc("sleep_kv_cache", kwargs={"preserve": True})
+        elif op == "wake":
+            llm.collective_rpc("wake_kv_cache", kwargs={"wait_s": 60})
+            llm.wake_up(tags=["scheduling"])
+        else:
+            assert op == "resume", op
+            llm.wake_up(tags=["scheduling"])
+    except Exception as exc:  # vLLM wraps what the worker raised
+        error = str(exc)
+    return {"error": error, "state": llm.collective_rpc("extensible_kv_state")[0]}
 
 
 if __name__ == "__main__":

@@ -52,7 +52,12 @@ class HostBackup:
     def __init__(self, sizes: Sequence[int]) -> None:
         total = sum(sizes)
         self._store = ExtensibleTensor(total, "cpu")
-        self._whole = self._store.resize_(total)
+        try:
+            self._whole = self._store.resize_(total)
+        except BaseException:
+            # A host budget refused the copy: its address range goes now.
+            self._store.free()
+            raise
         offsets = [0, *itertools.accumulate(sizes)]
         self.copies = [self._whole[start:end] for start, end in itertools.pairwise(offsets)]
         self.pinned = False
@@ -110,12 +115,17 @@ class HostBackup:
             if reuse is not None:
                 reuse.free()
             backup = cls([r.numel() for r in regions])
-        if regions and regions[0].device.type == "cuda":
-            ring = _Ring(regions[0].device, staging_bytes, direct=backup.pinned)
-            ring.to_host(regions, backup.copies)
-        else:
-            for region, copy in zip(regions, backup.copies, strict=True):
-                copy.copy_(region)
+        try:
+            if regions and regions[0].device.type == "cuda":
+                ring = _Ring(regions[0].device, staging_bytes, direct=backup.pinned)
+                ring.to_host(regions, backup.copies)
+            else:
+                for region, copy in zip(regions, backup.copies, strict=True):
+                    copy.copy_(region)
+        except BaseException:
+            if backup is not reuse:  # a reused one stays its owner's
+                backup.free()
+            raise
         return backup
 
     def restore(

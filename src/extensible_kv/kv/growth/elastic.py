@@ -42,7 +42,12 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv._checks import check_int
-from extensible_kv.buffer import Transaction, release_idle, release_outside_together
+from extensible_kv.buffer import (
+    Transaction,
+    release_idle,
+    release_outside_together,
+    synchronize_buffers,
+)
 from extensible_kv.driver import OutOfMemoryError
 from extensible_kv.kv.cache.backup import HostBackup
 from extensible_kv.kv.cache.commit_queue import serialized
@@ -376,7 +381,11 @@ class ElasticBlocks:
         if not kept <= self._held:
             missing = ranges_of(kept - self._held)
             raise ValueError(f"units {missing} to keep over the sleep are not held")
-        backup = HostBackup.capture(self._regions(kept)) if kept else None
+        backup = None
+        if kept:
+            # Writers on any stream must be done before the copy reads the blocks.
+            synchronize_buffers(tensor.buffer for tensor, _ in self.cache.tensors)
+            backup = HostBackup.capture(self._regions(kept))
         try:
             self.cache.release_physical()
         except BaseException:

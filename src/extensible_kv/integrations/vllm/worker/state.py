@@ -55,7 +55,8 @@ def kv_state(
     granules), ``num_blocks_committed``, ``num_blocks_capacity``,
     ``base_ptrs`` (one address per backing buffer), ``asleep`` and
     ``host_backup_bytes`` (host memory holding a preserving sleep's
-    copy), ``growth`` (``"static"``, ``"on_demand"`` or ``"elastic"``;
+    copy; with ``"elastic"``, of the units kept), ``growth``
+    (``"static"``, ``"on_demand"`` or ``"elastic"``;
     with ``"elastic"`` ``num_blocks_committed`` counts the blocks of the
     units held) and
     ``high_water_blocks`` (the most blocks committed at once),
@@ -72,7 +73,8 @@ def kv_state(
         "num_blocks_capacity": cache.num_blocks_capacity,
         "base_ptrs": cache.base_ptrs,
         "asleep": cache.asleep,
-        "host_backup_bytes": cache.host_backup_bytes,
+        "host_backup_bytes": cache.host_backup_bytes
+        + (growth.kept_bytes if isinstance(growth, ElasticBlocks) else 0),
         "growth": mode,
         # The most blocks committed at once so far.
         "high_water_blocks": cache.num_blocks_committed if growth is None else growth.high_water,

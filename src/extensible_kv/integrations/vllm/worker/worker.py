@@ -60,6 +60,7 @@ from extensible_kv.integrations.vllm.seam import (
     granule_size,
     segmentation,
     unavailable_reason,
+    without_wants,
 )
 from extensible_kv.integrations.vllm.support import check_vllm_version, installed_vllm
 
@@ -377,14 +378,26 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         still holds after the wake. Without, the contents are discarded:
         call ``llm.reset_prefix_cache()`` before resuming, or vLLM would
         serve cached prefixes from zeroed blocks. Idempotent.
+
+        With ``growth: "elastic"`` only the units steps have written to since
+        they were committed are copied (those of the blocks vLLM's prefix
+        cache names, never a unit no block was written in), and the wake
+        restores them at the same block ids.
+
+        The copy is claimed under the host's budget, if it has one, with no
+        wait and no want posted: a sleep gives memory and asks no other
+        engine for room. A refusal
+        (:class:`~extensible_kv.BudgetExceededError`) leaves the cache as
+        it was, awake.
         """
         check_bool("preserve", preserve)
         kv = self._managed("sleep_kv_cache")
         sleep.check_kv_sleep(self._connector_name() if self._has_connector() else None)
-        if self._elastic is not None:
-            self._elastic.release(preserve)
-        else:
-            kv.cache.release_physical(preserve=preserve)
+        with without_wants():
+            if self._elastic is not None:
+                self._elastic.release(preserve)
+            else:
+                kv.cache.release_physical(preserve=preserve)
 
     def wake_kv_cache(self, wait_s: float | None = None) -> None:
         """Commit the KV cache again at the same addresses, with what a
