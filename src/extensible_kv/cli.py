@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -41,6 +42,7 @@ from extensible_kv.driver import (
     unavailable_reason,
 )
 from extensible_kv.driver.select import is_rocm
+from extensible_kv.kept import drop, kept_caches
 from extensible_kv.limits import (
     KEEP,
     FloorAndCap,
@@ -746,7 +748,52 @@ def _parser() -> argparse.ArgumentParser:
         help=f"print one snapshot as JSON (schema_version {SCHEMA_VERSION})",
     )
     t.set_defaults(run=top)
+    k = commands.add_parser(
+        "kept",
+        help="KV pages kept for an engine's restart: list them, or drop them",
+        description="The KV pages keeper processes hold after their engines stopped, until\n"
+        "an engine with the same fingerprint adopts them or their time runs out.",
+        formatter_class=_Formatter,
+    )
+    drops = k.add_mutually_exclusive_group()
+    drops.add_argument(
+        "--drop", type=_positive, metavar="PID", help="give this keeper's pages back"
+    )
+    drops.add_argument("--drop-all", action="store_true", help="give every keeper's pages back")
+    k.add_argument("--json", action="store_true", help="print the list as JSON")
+    k.set_defaults(run=kept)
     return parser
+
+
+def kept(args: argparse.Namespace) -> int:
+    """List the KV pages keepers hold for a restart, or drop them."""
+    records = kept_caches()
+    if args.drop is not None or args.drop_all:
+        pids = [r.keeper_pid for r in records] if args.drop_all else [args.drop]
+        for pid in pids:
+            if not drop(pid):
+                raise ValueError(f"no keeper with pid {pid} holds pages (see extensible-kv kept)")
+            console.print(f"dropped the pages keeper {pid} held")
+        return 0
+    if args.json:
+        print(json.dumps([asdict(r) for r in records], indent=2))
+        return 0
+    table = Table(title=f"kept KV pages (state in {state_dir()})", title_justify="left")
+    for column in ("keeper pid", "held", "blocks", "device", "until", "fingerprint"):
+        table.add_column(column)
+    for r in records:
+        until = time.strftime("%H:%M:%S", time.localtime(r.until))
+        fingerprint = escape(json.dumps(r.fingerprint, sort_keys=True))
+        table.add_row(
+            str(r.keeper_pid),
+            format_bytes(r.nbytes),
+            str(len(r.blocks)),
+            r.device_uuid,
+            until,
+            fingerprint,
+        )
+    console.print(table)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,13 +23,21 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Sequence
 
 import torch
 
 from extensible_kv.driver import Driver
 from extensible_kv.tensor import ExtensibleTensor, SharedLayout
 
-__all__ = ["MalformedMessageError", "SharedLayout", "receive_tensor", "send_tensor"]
+__all__ = [
+    "MalformedMessageError",
+    "SharedLayout",
+    "receive_layout",
+    "receive_tensor",
+    "send_layout",
+    "send_tensor",
+]
 
 
 _BATCH = 250
@@ -45,14 +53,19 @@ def send_tensor(sock: socket.socket, tensor: ExtensibleTensor) -> None:
     """Send ``tensor``'s layout and committed memory over a Unix socket."""
     layout, fds = tensor.shared_layout()
     try:
-        payload = layout.to_json().encode()
-        sock.sendall(struct.pack(">Q", len(payload)) + payload)
-        for start in range(0, len(fds), _BATCH):
-            batch = fds[start : start + _BATCH]
-            socket.send_fds(sock, [struct.pack(">I", len(batch))], batch)
+        send_layout(sock, layout, fds)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def send_layout(sock: socket.socket, layout: SharedLayout, fds: Sequence[int]) -> None:
+    """Send an exported ``layout`` and its chunks' ``fds`` (still the caller's)."""
+    payload = layout.to_json().encode()
+    sock.sendall(struct.pack(">Q", len(payload)) + payload)
+    for start in range(0, len(fds), _BATCH):
+        batch = list(fds[start : start + _BATCH])
+        socket.send_fds(sock, [struct.pack(">I", len(batch))], batch)
 
 
 def _receive_exactly(sock: socket.socket, size: int) -> bytes:
@@ -72,6 +85,17 @@ def receive_tensor(
     driver: Driver | None = None,
 ) -> ExtensibleTensor:
     """Receive a tensor sent by :func:`send_tensor` and map its memory here."""
+    layout, fds = receive_layout(sock)
+    try:
+        return ExtensibleTensor.from_shared(layout, fds, device, driver=driver)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def receive_layout(sock: socket.socket) -> tuple[SharedLayout, list[int]]:
+    """Receive what :func:`send_layout` sent: the layout, and one new fd per
+    chunk, which the caller owns and closes."""
     (length,) = struct.unpack(">Q", _receive_exactly(sock, 8))
     if length > _MAX_LAYOUT_BYTES:
         raise MalformedMessageError(
@@ -88,7 +112,8 @@ def receive_tensor(
             fds.extend(batch)
             if len(data) != 4 or struct.unpack(">I", data)[0] != len(batch):
                 raise ConnectionError("a batch of file descriptors arrived incomplete")
-        return ExtensibleTensor.from_shared(layout, fds, device, driver=driver)
-    finally:
+    except BaseException:
         for fd in fds:
             os.close(fd)
+        raise
+    return layout, fds

@@ -291,6 +291,16 @@ class BudgetDriver(DriverAdaptor):
         self._touch()
         return handle
 
+    def adopt_import(self, handle: int, device: int, size: int) -> None:
+        ledger = self._ledgers.get(device) or self.ledger(device)
+        # Past any limit: the memory exists already, and the process that
+        # held it counts it until it gives it up (a moment counted twice,
+        # never uncounted).
+        ledger.claim_unchecked(size)
+        self._claims[handle] = (ledger, size)
+        self._touch()
+        self.inner.adopt_import(handle, device, size)
+
     def release(self, handle: int) -> None:
         # The claim entry goes first: a driver may hand a released handle's
         # value out again at once (the host backend's descriptors do, CUDA

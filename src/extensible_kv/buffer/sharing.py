@@ -36,7 +36,9 @@ def export_chunks(buffer: VirtualBuffer) -> list[tuple[Chunk, int]]:
         return exported
 
 
-def map_imported(buffer: VirtualBuffer, chunks: Sequence[tuple[int, int, int]]) -> None:
+def map_imported(
+    buffer: VirtualBuffer, chunks: Sequence[tuple[int, int, int]], *, adopt: bool
+) -> None:
     """See :meth:`VirtualBuffer.map_imported`."""
     with buffer._lock:
         buffer._check_usable()
@@ -48,7 +50,14 @@ def map_imported(buffer: VirtualBuffer, chunks: Sequence[tuple[int, int, int]]) 
             # HIP imports onto the current device: make it this buffer's.
             with buffer._context():
                 for offset, size, fd in chunks:
-                    made.append(buffer._map_new(offset, size, driver.import_handle(fd)))
+                    handle = driver.import_handle(fd)
+                    if adopt:
+                        try:
+                            driver.adopt_import(handle, buffer.device, size)
+                        except BaseException:
+                            driver.release(handle)
+                            raise
+                    made.append(buffer._map_new(offset, size, handle))
                 for run in runs_of_chunks(sorted(made, key=lambda c: c.offset)):
                     start, end = run[0].offset, run[-1].end
                     driver.set_access(buffer.base_ptr + start, end - start, buffer.device)

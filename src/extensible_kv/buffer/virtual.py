@@ -357,11 +357,13 @@ class VirtualBuffer:
         owns and closes them). Needs a buffer made ``shareable``."""
         return export_chunks(self)
 
-    def map_imported(self, chunks: Sequence[tuple[int, int, int]]) -> None:
+    def map_imported(self, chunks: Sequence[tuple[int, int, int]], *, adopt: bool = False) -> None:
         """Map memory another process exported: ``(offset, size, fd)`` per
         chunk, into unmapped granules of this buffer. The fds stay the
-        caller's. All or nothing."""
-        map_imported(self, chunks)
+        caller's. All or nothing. With ``adopt`` the memory is this
+        process's to count from now on (``Driver.adopt_import``): the
+        exporter hands it over for good."""
+        map_imported(self, chunks, adopt=adopt)
 
     # -- remapping with contents kept ------------------------------------------
 

@@ -137,6 +137,9 @@ class DriverAdaptor:
     def accounting(self, device: int) -> tuple[str, str] | None:
         return self.inner.accounting(device)
 
+    def adopt_import(self, handle: int, device: int, size: int) -> None:
+        self.inner.adopt_import(handle, device, size)
+
 
 @dataclass
 class CallStats:

@@ -28,10 +28,17 @@ DRIVER_CALLS: tuple[str, ...] = (
 
 #: The calls through which the layers above reach what adaptors do for them
 #: (hold a budget for a piece of work, give back memory kept for reuse,
-#: create ahead, say where memory is accounted): each adaptor forwards them
+#: create ahead, say where memory is accounted, count memory adopted from
+#: another process): each adaptor forwards them
 #: and interprets them for itself, so nothing above the driver needs to know
 #: which adaptors are stacked.
-ADAPTOR_CALLS: tuple[str, ...] = ("holding", "release_idle", "create_ahead", "accounting")
+ADAPTOR_CALLS: tuple[str, ...] = (
+    "holding",
+    "release_idle",
+    "create_ahead",
+    "accounting",
+    "adopt_import",
+)
 
 
 @runtime_checkable
@@ -190,6 +197,15 @@ class Driver(Protocol):
         stack. Calls no driver: ``extensible-kv top``'s figures ask it."""
         ...
 
+    def adopt_import(self, handle: int, device: int, size: int) -> None:
+        """Count the memory behind ``handle`` (from ``import_handle``,
+        ``size`` bytes on ``device``) as this process's from now on, until
+        ``release``: memory another process held and hands over for good
+        (pages a keeper kept over an engine's restart), not memory two live
+        processes share. A budget claims it past any limit (it exists
+        already); a backend counts nothing."""
+        ...
+
 
 class Backend:
     """How a backend answers :data:`ADAPTOR_CALLS`: it holds nothing for a
@@ -209,4 +225,7 @@ class Backend:
         )
 
     def accounting(self, device: int) -> tuple[str, str] | None:
+        return None
+
+    def adopt_import(self, handle: int, device: int, size: int) -> None:
         return None

@@ -1,0 +1,181 @@
+"""The keeper process: ``python -m extensible_kv.kept.keeper FD KEEP_S``,
+started by :func:`~extensible_kv.kept.hand.leave` with one end of a socket
+pair as descriptor ``FD``.
+
+It first leaves the process tree it was started in (a fork whose parent
+exits at once): an engine's shutdown may kill its whole tree, vLLM's does,
+and the pages must outlive it. Then it receives the pages (one descriptor
+per chunk), imports them into handles of its own through the device's
+backend (a handle keeps the memory alive on every driver; a bare
+descriptor need not), claims them in the device's budget, publishes its
+record and serves its socket until a taker with the same fingerprint
+adopts the pages, someone drops them, or ``KEEP_S`` seconds pass. Then it
+releases the handles and gives the claim back. Killed, it leaves nothing:
+its descriptors and handles go with it, and the budget forgets a dead
+process's claim.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from extensible_kv.budget import Ledger
+from extensible_kv.budget.liveness import this_process
+from extensible_kv.budget.publish import publisher, register_cache
+from extensible_kv.budget.state_dir import state_dir
+from extensible_kv.driver import Driver
+from extensible_kv.driver.select import backend
+from extensible_kv.kept.record import KeptCache, kept_dir
+from extensible_kv.kept.wire import receive_message, send_message
+from extensible_kv.share import SharedLayout, receive_layout, send_layout
+
+__all__ = ["main"]
+
+#: Seconds a taker has to say it mapped the pages before the keeper keeps them again.
+TAKE_S = 60.0
+
+
+@dataclass
+class _Held:
+    """One tensor's pages: its layout and one handle per chunk, in order."""
+
+    layout: SharedLayout
+    handles: list[int]
+
+
+class Keeper:
+    def __init__(self, driver: Driver, record: KeptCache, held: list[_Held]) -> None:
+        self.driver = driver
+        self.record = record
+        self.held = held
+        self.ledger = Ledger(state_dir(), record.device_uuid)
+
+    @classmethod
+    def receive(cls, sock: socket.socket, keep_s: float) -> Keeper:
+        """Take the pages the leaver sends on ``sock``, claim them, publish."""
+        header = receive_message(sock)
+        held: list[_Held] = []
+        driver: Driver | None = None
+        for _ in range(int(header["tensors"])):
+            layout, fds = receive_layout(sock)
+            driver = driver or backend(layout.device)
+            try:
+                held.append(_Held(layout, [driver.import_handle(fd) for fd in fds]))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        if driver is None:
+            raise ValueError("no tensor's pages were sent")
+        me = this_process(state_dir())
+        record = KeptCache(
+            keeper_pid=me.pid,
+            keeper_token=me.token,
+            fingerprint=header["fingerprint"],
+            blocks=header["blocks"],
+            nbytes=sum(size for h in held for _, size in h.layout.chunks),
+            device_uuid=held[0].layout.device_uuid,
+            until=time.time() + keep_s,
+        )
+        keeper = cls(driver, record, held)
+        # The memory exists already: counted now, and by the leaver too
+        # until it frees its cache (never under, at most twice for that while).
+        keeper.ledger.claim_unchecked(record.nbytes)
+        register_cache(keeper, Keeper.figures)
+        publisher(state_dir()).touch()
+        return keeper
+
+    def figures(self) -> dict[str, Any] | None:
+        """What ``extensible-kv top`` shows of the pages under this process."""
+        if not self.held:
+            return None
+        layout = self.held[0].layout
+        return {
+            "kind": "kept pages",
+            "device": layout.device if layout.device == "cpu" else f"cuda:{layout.device_index}",
+            "device_uuid": self.record.device_uuid,
+            "state_dir": str(state_dir()),
+            "reserved_bytes": 0,
+            "committed_bytes": self.record.nbytes,
+            "physical_bytes": self.record.nbytes,
+            "asleep": False,
+            "blocks": len(self.record.blocks),
+            "cached_bytes": self.record.nbytes,
+        }
+
+    def serve(self, listener: socket.socket) -> None:
+        """Answer takers and droppers until the pages go."""
+        while (left := self.record.until - time.time()) > 0:
+            ready, _, _ = select.select([listener], [], [], left)
+            if not ready:
+                break
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(TAKE_S)
+                try:
+                    if self._answer(conn):
+                        return
+                except (OSError, ValueError, KeyError):
+                    continue  # a taker that failed: keep the pages
+
+    def _answer(self, conn: socket.socket) -> bool:
+        """One request; True once the pages are gone (taken or dropped)."""
+        asked = receive_message(conn)
+        if asked.get("op") == "drop":
+            self.give_back()
+            return True
+        if asked.get("fingerprint") != self.record.fingerprint:
+            send_message(conn, {"adopt": False, "reason": "another fingerprint"})
+            return False
+        send_message(conn, {"adopt": True, "blocks": self.record.blocks, "tensors": len(self.held)})
+        for held in self.held:
+            fds = [self.driver.export_handle(h) for h in held.handles]
+            try:
+                send_layout(conn, held.layout, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        if receive_message(conn).get("op") != "taken":
+            return False
+        self.give_back()
+        return True
+
+    def give_back(self) -> None:
+        """Release every handle and the claim; unpublish."""
+        for held in self.held:
+            for handle in held.handles:
+                self.driver.release(handle)
+        self.held = []
+        self.ledger.give_back(self.ledger.held)
+        self.record.remove()
+        publisher(state_dir()).write()
+
+
+def main(argv: list[str]) -> None:
+    fd, keep_s = int(argv[0]), float(argv[1])
+    if os.fork():
+        os._exit(0)  # the leaver waits for this; the keeper goes on, in no tree of theirs
+    with socket.socket(fileno=fd) as leaver:
+        keeper = Keeper.receive(leaver, keep_s)
+        path = kept_dir() / f"{keeper.record.keeper_pid}.sock"
+        path.unlink(missing_ok=True)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(str(path))
+            listener.listen()
+            keeper.record.write()
+            send_message(leaver, {"keeper_pid": keeper.record.keeper_pid})
+            leaver.close()
+            try:
+                keeper.serve(listener)
+            finally:
+                if keeper.held:
+                    keeper.give_back()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

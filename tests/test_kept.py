@@ -1,0 +1,195 @@
+"""KV pages that outlive their process (``extensible_kv.kept``): a keeper
+process holds what a tensor left it, counted in the budget under its own
+pid, until a tensor with the same fingerprint adopts the very pages (no
+copy), someone drops them, or its time runs out; killed, it leaves nothing.
+Real keeper processes on the host backend's memfd pages."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from extensible_kv import BudgetDriver, ExtensibleTensor, StatisticsDriver
+from extensible_kv.budget import Ledger, snapshot
+from extensible_kv.cli import main
+from extensible_kv.driver import Driver, backend
+from extensible_kv.kept import KeptCache, adopt, drop, kept_caches, leave
+
+MiB = 1 << 20
+GRANULE = 2 * MiB
+FINGERPRINT = {"model": "tiny", "block_size": 16}
+BLOCKS = [[1, "a1"], [2, "b2"]]
+
+
+@pytest.fixture
+def budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[BudgetDriver]:
+    monkeypatch.setenv("EXTENSIBLE_KV_STATE_DIR", str(tmp_path))
+    yield BudgetDriver(backend("cpu"), state_dir=tmp_path)
+    for record in kept_caches():
+        drop(record.keeper_pid)
+
+
+def tensor(budget: Driver, size: int = 16 * MiB, segments: int = 2) -> ExtensibleTensor:
+    return ExtensibleTensor(
+        size, "cpu", num_segments=segments, shareable=True, chunk_bytes=GRANULE, driver=budget
+    )
+
+
+def pattern(nbytes: int) -> torch.Tensor:
+    return torch.arange(nbytes, dtype=torch.int64).to(torch.uint8) ^ 0x5A
+
+
+def claims(budget: BudgetDriver) -> dict[int, int]:
+    ledger = budget.ledger(0)
+    return {key.pid: value for key, value in ledger.read().claims.items() if value}
+
+
+def shown_by_top(pid: int) -> dict[str, Any]:
+    """Process ``pid`` as ``extensible-kv top`` shows it, once it has published."""
+    deadline = time.monotonic() + 10
+    while True:
+        (device,) = snapshot(Path(os.environ["EXTENSIBLE_KV_STATE_DIR"]))["devices"]
+        shown = [p for p in device["processes"] if p["pid"] == pid]
+        if (shown and shown[0]["caches"]) or time.monotonic() > deadline:
+            (found,) = shown
+            return found
+        time.sleep(0.05)
+
+
+def left_behind(budget: BudgetDriver, keep_s: float = 60) -> KeptCache:
+    """A tensor of 8 MiB (4 MiB in each segment) with :func:`pattern`,
+    left to a keeper and freed."""
+    source = tensor(budget)
+    source.resize_per_segment_(4 * MiB)
+    for segment in range(2):
+        source.segment(segment).copy_(pattern(8 * MiB)[segment * 4 * MiB : (segment + 1) * 4 * MiB])
+    record = leave([source], FINGERPRINT, BLOCKS, keep_s)
+    source.free()
+    return record
+
+
+def test_pages_outlive_their_tensor_and_are_adopted_in_place_counted_once(
+    budget: BudgetDriver,
+) -> None:
+    record = left_behind(budget)
+    assert (record.nbytes, record.blocks, record.fingerprint) == (8 * MiB, BLOCKS, FINGERPRINT)
+    assert claims(budget) == {record.keeper_pid: 8 * MiB}  # the keeper's, under its pid
+    shown = shown_by_top(record.keeper_pid)
+    assert "extensible_kv.kept.keeper" in shown["command"]
+    (pages,) = shown["caches"]
+    assert (pages["kind"], pages["physical_bytes"], pages["blocks"]) == ("kept pages", 8 * MiB, 2)
+    (listed,) = kept_caches()
+    assert listed == record
+    stats = StatisticsDriver(budget)
+    target = tensor(stats)
+    adopted = adopt([target], FINGERPRINT)
+    assert adopted is not None
+    assert (adopted.blocks, adopted.nbytes) == (BLOCKS, 8 * MiB)
+    calls = stats.calls
+    assert (calls["create"].calls, calls["import_handle"].calls) == (0, 4)  # no copy
+    assert target.buffer.physical_bytes == 8 * MiB
+    for segment in range(2):
+        start = segment * target.segment_capacity_bytes
+        got = target.full_view()[start : start + 4 * MiB]
+        assert torch.equal(got, pattern(8 * MiB)[segment * 4 * MiB : (segment + 1) * 4 * MiB])
+    deadline = time.monotonic() + 10
+    while kept_caches() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kept_caches() == []
+    assert claims(budget) == {os.getpid(): 8 * MiB}  # the adopter's now, once
+    target.free()
+    assert claims(budget) == {}
+
+
+def test_another_fingerprint_or_shape_adopts_nothing_and_the_keeper_keeps_the_pages(
+    budget: BudgetDriver,
+) -> None:
+    record = left_behind(budget)
+    target = tensor(budget)
+    assert adopt([target], {**FINGERPRINT, "block_size": 32}) is None
+    other = tensor(budget, size=32 * MiB)
+    with pytest.raises(ValueError, match="cannot go into one of"):
+        adopt([other], FINGERPRINT)
+    assert (target.buffer.physical_bytes, other.buffer.physical_bytes) == (0, 0)
+    assert kept_caches() == [record]
+    assert claims(budget) == {record.keeper_pid: 8 * MiB}
+    assert adopt([target], FINGERPRINT) is not None  # still there for the right one
+    target.free()
+    other.free()
+
+
+def test_pages_go_back_when_their_time_runs_out_or_when_dropped(budget: BudgetDriver) -> None:
+    timed = left_behind(budget, keep_s=1)
+    deadline = time.monotonic() + 20
+    while kept_caches() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kept_caches() == []
+    assert timed.keeper_pid not in claims(budget)
+    dropped = left_behind(budget)
+    assert drop(dropped.keeper_pid)
+    assert kept_caches() == []
+    assert claims(budget) == {}
+    assert not drop(dropped.keeper_pid)  # gone: nothing to drop
+
+
+def test_a_killed_keeper_leaves_nothing_held(budget: BudgetDriver, tmp_path: Path) -> None:
+    record = left_behind(budget)
+    os.kill(record.keeper_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while kept_caches() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kept_caches() == []
+    ledger = Ledger(tmp_path, budget.device_uuid(0))
+    try:
+        ledger.claim(0)  # a claim forgets the dead when it must; make it look
+        assert record.keeper_pid not in {
+            p["pid"] for d in snapshot(tmp_path)["devices"] for p in d["processes"]
+        }
+    finally:
+        ledger.close()
+    assert adopt([tensor(budget)], FINGERPRINT) is None
+
+
+def test_the_cli_lists_the_kept_pages_and_drops_them(
+    budget: BudgetDriver, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = left_behind(budget)
+    assert main(["kept", "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert (listed["keeper_pid"], listed["nbytes"], listed["fingerprint"]) == (
+        record.keeper_pid,
+        8 * MiB,
+        FINGERPRINT,
+    )
+    assert main(["kept"]) == 0
+    assert str(record.keeper_pid) in capsys.readouterr().out
+    assert main(["kept", "--drop", str(record.keeper_pid)]) == 0
+    assert kept_caches() == []
+    with pytest.raises(SystemExit) as exited:
+        main(["kept", "--drop", str(record.keeper_pid)])
+    assert exited.value.code == 1
+    assert f"no keeper with pid {record.keeper_pid} holds pages" in capsys.readouterr().err
+
+
+def test_bad_input_is_refused_before_any_keeper_starts(budget: BudgetDriver) -> None:
+    plain = ExtensibleTensor(4 * MiB, "cpu", chunk_bytes=GRANULE, driver=budget)
+    plain.resize_(2 * MiB)
+    shared = tensor(budget)
+    shared.resize_per_segment_(2 * MiB)
+    with pytest.raises(ValueError, match="shareable=True"):
+        leave([plain], FINGERPRINT, BLOCKS, 60)
+    with pytest.raises(ValueError, match="keep_s must be a positive, finite number"):
+        leave([shared], FINGERPRINT, BLOCKS, 0)
+    with pytest.raises(ValueError, match="must be JSON"):
+        leave([shared], {"model": object()}, BLOCKS, 60)
+    assert kept_caches() == []
+    plain.free()
+    shared.free()
