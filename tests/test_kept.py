@@ -21,7 +21,7 @@ from extensible_kv import BudgetDriver, ExtensibleTensor, StatisticsDriver
 from extensible_kv.budget import Ledger, snapshot
 from extensible_kv.cli import main
 from extensible_kv.driver import Driver, backend
-from extensible_kv.kept import KeptCache, adopt, drop, kept_caches, leave
+from extensible_kv.kept import KeptCache, adopt, drop, kept_caches, leave, name
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -193,3 +193,28 @@ def test_bad_input_is_refused_before_any_keeper_starts(budget: BudgetDriver) -> 
     assert kept_caches() == []
     plain.free()
     shared.free()
+
+
+def test_pages_left_unnamed_are_adopted_only_once_named_by_their_owner(
+    budget: BudgetDriver,
+) -> None:
+    """An engine's worker leaves the pages as it stops; its scheduler, which
+    knows what they hold, names them after: until then nobody adopts them."""
+    source = tensor(budget)
+    source.resize_per_segment_(2 * MiB)
+    record = leave([source], FINGERPRINT, None, 60, owner={"engine": "e1", "rank": 0})
+    source.free()
+    (listed,) = kept_caches()
+    assert (listed.blocks, listed.owner) == (None, {"engine": "e1", "rank": 0})
+    target = tensor(budget)
+    assert adopt([target], FINGERPRINT) is None
+    assert target.buffer.physical_bytes == 0
+    assert name(listed, BLOCKS)
+    assert not name(listed, [[9, "z"]])  # named once
+    (named,) = kept_caches()
+    assert named.blocks == BLOCKS
+    adopted = adopt([target], FINGERPRINT)
+    assert adopted is not None
+    assert adopted.blocks == BLOCKS
+    assert not name(record, BLOCKS)  # the keeper has gone
+    target.free()

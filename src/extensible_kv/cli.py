@@ -787,7 +787,7 @@ def kept(args: argparse.Namespace) -> int:
         table.add_row(
             str(r.keeper_pid),
             format_bytes(r.nbytes),
-            str(len(r.blocks)),
+            "not named yet" if r.blocks is None else str(len(r.blocks)),
             r.device_uuid,
             until,
             fingerprint,

@@ -9,7 +9,7 @@ the messages; ``keeper.py``: the keeper process; ``hand.py``: leaving pages
 to a keeper and adopting them.
 """
 
-from extensible_kv.kept.hand import Adopted, adopt, leave
+from extensible_kv.kept.hand import Adopted, adopt, leave, name
 from extensible_kv.kept.record import KeptCache, drop, kept_caches
 
-__all__ = ["Adopted", "KeptCache", "adopt", "drop", "kept_caches", "leave"]
+__all__ = ["Adopted", "KeptCache", "adopt", "drop", "kept_caches", "leave", "name"]

@@ -19,7 +19,7 @@ from extensible_kv.kept.wire import receive_message, send_message
 from extensible_kv.share import SharedLayout, receive_layout, send_layout
 from extensible_kv.tensor import ExtensibleTensor
 
-__all__ = ["Adopted", "adopt", "leave"]
+__all__ = ["Adopted", "adopt", "leave", "name"]
 
 #: Seconds a keeper may take to start and take the pages.
 START_S = 60.0
@@ -28,15 +28,19 @@ START_S = 60.0
 def leave(
     tensors: Sequence[ExtensibleTensor],
     fingerprint: dict[str, Any],
-    blocks: list[list[Any]],
+    blocks: list[list[Any]] | None,
     keep_s: float,
+    *,
+    owner: Any = None,
 ) -> KeptCache:
     """Hand the memory mapped in ``tensors`` (made ``shareable``) to a new
     keeper process, which holds it for ``keep_s`` seconds or until an
     :func:`adopt` with an equal ``fingerprint`` (JSON) takes it; ``blocks``
     (JSON: what names the pages, ``[block id, hash]`` each) goes with it.
-    The tensors stay the caller's: free them after (the pages live on in
-    the keeper). Returns the keeper's record.
+    With ``blocks`` None the pages are named later (:func:`name`, by
+    whoever knows the names, finding the keeper by ``owner``, JSON): until
+    then nobody adopts them. The tensors stay the caller's: free them after
+    (the pages live on in the keeper). Returns the keeper's record.
 
     Raises ValueError, starting nothing, if ``keep_s`` is not a positive,
     finite number of seconds, ``fingerprint`` or ``blocks`` is not JSON, or
@@ -46,14 +50,15 @@ def leave(
     if check_seconds("keep_s", keep_s) <= 0 or keep_s == float("inf"):
         raise ValueError(f"keep_s must be a positive, finite number of seconds, got {keep_s!r}")
     try:
-        json.dumps([fingerprint, blocks])
+        json.dumps([fingerprint, blocks, owner])
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"the fingerprint and the blocks must be JSON: {exc}") from None
+        raise ValueError(f"the fingerprint, blocks and owner must be JSON: {exc}") from None
     exported: list[tuple[SharedLayout, list[int]]] = []
     try:
         for tensor in tensors:
             exported.append(tensor.shared_layout())
-        return _start_keeper(exported, {"fingerprint": fingerprint, "blocks": blocks}, keep_s)
+        names = {"fingerprint": fingerprint, "blocks": blocks, "owner": owner}
+        return _start_keeper(exported, names, keep_s)
     finally:
         for _, fds in exported:
             for fd in fds:
@@ -94,6 +99,20 @@ def _start_keeper(
     return found[0]
 
 
+def name(record: KeptCache, blocks: list[list[Any]]) -> bool:
+    """Name the pages a keeper holds unnamed (``blocks`` as :func:`leave`
+    takes them): from now on they can be adopted. False if they were named
+    already, or the keeper has gone."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(START_S)
+            sock.connect(str(record.socket_path))
+            send_message(sock, {"op": "name", "blocks": blocks})
+            return bool(receive_message(sock).get("named"))
+    except (OSError, ConnectionError):
+        return False
+
+
 @dataclass(frozen=True)
 class Adopted:
     """What :func:`adopt` mapped: the keeper's ``blocks`` and the bytes."""
@@ -108,7 +127,7 @@ def adopt(tensors: Sequence[ExtensibleTensor], fingerprint: dict[str, Any]) -> A
     no copy. The keeper then gives its pages and its claim up. None, with
     nothing mapped, if no keeper holds such pages."""
     for record in kept_caches():
-        if record.fingerprint != fingerprint:
+        if record.blocks is None or record.fingerprint != fingerprint:
             continue
         with (
             contextlib.suppress(OSError, ConnectionError),

@@ -17,6 +17,7 @@ process's claim.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import socket
@@ -78,6 +79,7 @@ class Keeper:
             keeper_token=me.token,
             fingerprint=header["fingerprint"],
             blocks=header["blocks"],
+            owner=header["owner"],
             nbytes=sum(size for h in held for _, size in h.layout.chunks),
             device_uuid=held[0].layout.device_uuid,
             until=time.time() + keep_s,
@@ -104,7 +106,7 @@ class Keeper:
             "committed_bytes": self.record.nbytes,
             "physical_bytes": self.record.nbytes,
             "asleep": False,
-            "blocks": len(self.record.blocks),
+            "blocks": len(self.record.blocks or ()),
             "cached_bytes": self.record.nbytes,
         }
 
@@ -129,6 +131,17 @@ class Keeper:
         if asked.get("op") == "drop":
             self.give_back()
             return True
+        if asked.get("op") == "name":
+            named = self.record.blocks is None
+            if named:
+                self.record = dataclasses.replace(self.record, blocks=list(asked["blocks"]))
+                self.record.write()
+                publisher(state_dir()).touch()
+            send_message(conn, {"named": named})
+            return False
+        if self.record.blocks is None:
+            send_message(conn, {"adopt": False, "reason": "not named yet"})
+            return False
         if asked.get("fingerprint") != self.record.fingerprint:
             send_message(conn, {"adopt": False, "reason": "another fingerprint"})
             return False

@@ -28,7 +28,9 @@ class KeptCache:
     ``keeper_pid``: the keeper's pid (``keeper_token``: its registration in
     the state directory, which tells whether it lives); ``fingerprint``: what an engine must
     match exactly to adopt them (model, dtype, block size, layout...: the
-    engine's words); ``blocks``: ``[block id, hash]`` of each kept block;
+    engine's words); ``blocks``: ``[block id, hash]`` of each kept block
+    (None until named: not adoptable before); ``owner``: who left them, in
+    its own words, so that it can name them once it knows (JSON);
     ``nbytes``: the memory held (whole granules); ``device_uuid``;
     ``until``: when the keeper gives the pages back (seconds since the epoch).
     """
@@ -36,7 +38,8 @@ class KeptCache:
     keeper_pid: int
     keeper_token: int
     fingerprint: dict[str, Any]
-    blocks: list[list[Any]]
+    blocks: list[list[Any]] | None
+    owner: Any
     nbytes: int
     device_uuid: str
     until: float
