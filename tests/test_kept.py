@@ -21,7 +21,7 @@ from extensible_kv import BudgetDriver, ExtensibleTensor, StatisticsDriver
 from extensible_kv.budget import Ledger, snapshot
 from extensible_kv.cli import main
 from extensible_kv.driver import Driver, backend
-from extensible_kv.kept import KeptCache, adopt, drop, kept_caches, leave, name
+from extensible_kv.kept import KeptCache, adopt, drop, kept_caches, leave, name, start_keeper
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -218,3 +218,37 @@ def test_pages_left_unnamed_are_adopted_only_once_named_by_their_owner(
     assert adopted.blocks == BLOCKS
     assert not name(record, BLOCKS)  # the keeper has gone
     target.free()
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie nobody reaped counts as gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def test_a_keeper_started_ahead_takes_pages_at_once_or_exits_with_none(
+    budget: BudgetDriver,
+) -> None:
+    """An engine starts its keeper before it must stop: the pages go over a
+    socket already open. One that stops without leaving anything lets its
+    keeper go, and nothing is held."""
+    idle = start_keeper()
+    assert not gone(idle.pid)
+    idle.close()
+    deadline = time.monotonic() + 20
+    while not gone(idle.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(idle.pid)
+    assert (kept_caches(), claims(budget)) == ([], {})
+    spare = start_keeper()
+    source = tensor(budget)
+    source.resize_per_segment_(2 * MiB)
+    record = spare.leave([source], FINGERPRINT, BLOCKS, 60)
+    source.free()
+    assert record.keeper_pid == spare.pid
+    assert claims(budget) == {spare.pid: 4 * MiB}
+    with pytest.raises(RuntimeError, match="did not take the pages"):
+        spare.leave([tensor(budget)], FINGERPRINT, BLOCKS, 60)  # pages are taken once

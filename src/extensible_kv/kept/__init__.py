@@ -9,7 +9,17 @@ the messages; ``keeper.py``: the keeper process; ``hand.py``: leaving pages
 to a keeper and adopting them.
 """
 
-from extensible_kv.kept.hand import Adopted, adopt, leave, name
+from extensible_kv.kept.hand import Adopted, SpareKeeper, adopt, leave, name, start_keeper
 from extensible_kv.kept.record import KeptCache, drop, kept_caches
 
-__all__ = ["Adopted", "KeptCache", "adopt", "drop", "kept_caches", "leave", "name"]
+__all__ = [
+    "Adopted",
+    "KeptCache",
+    "SpareKeeper",
+    "adopt",
+    "drop",
+    "kept_caches",
+    "leave",
+    "name",
+    "start_keeper",
+]

@@ -19,10 +19,112 @@ from extensible_kv.kept.wire import receive_message, send_message
 from extensible_kv.share import SharedLayout, receive_layout, send_layout
 from extensible_kv.tensor import ExtensibleTensor
 
-__all__ = ["Adopted", "adopt", "leave", "name"]
+__all__ = ["Adopted", "SpareKeeper", "adopt", "leave", "name", "start_keeper"]
 
-#: Seconds a keeper may take to start and take the pages.
+#: Seconds a keeper may take to start, or to take the pages.
 START_S = 60.0
+
+
+class SpareKeeper:
+    """A keeper process started ahead (:func:`start_keeper`), idle until
+    :meth:`leave` hands it pages: a process that must stop within seconds
+    (vLLM gives an engine 5) pays for the keeper's start, a Python
+    interpreter and torch, before it stops. Closed, or dropped with its
+    starter, it exits having held nothing."""
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self._sock = sock
+        self.pid = pid
+
+    def leave(
+        self,
+        tensors: Sequence[ExtensibleTensor],
+        fingerprint: dict[str, Any],
+        blocks: list[list[Any]] | None,
+        keep_s: float,
+        *,
+        owner: Any = None,
+    ) -> KeptCache:
+        """Hand the memory mapped in ``tensors`` (made ``shareable``) to
+        this keeper, which holds it for ``keep_s`` seconds or until an
+        :func:`adopt` with an equal ``fingerprint`` (JSON) takes it;
+        ``blocks`` (JSON: what names the pages, ``[block id, hash]`` each)
+        goes with it. With ``blocks`` None the pages are named later
+        (:func:`name`, by whoever knows the names, finding the keeper by
+        ``owner``, JSON): until then nobody adopts them. The tensors stay
+        the caller's: free them after (the pages live on in the keeper).
+        Returns the keeper's record; the keeper takes pages once.
+
+        Raises ValueError, handing nothing over, if ``keep_s`` is not a
+        positive, finite number of seconds, ``fingerprint``, ``blocks`` or
+        ``owner`` is not JSON, or a tensor is not ``shareable``;
+        RuntimeError if the keeper did not take the pages (the tensors are
+        as they were).
+        """
+        if check_seconds("keep_s", keep_s) <= 0 or keep_s == float("inf"):
+            raise ValueError(f"keep_s must be a positive, finite number of seconds, got {keep_s!r}")
+        header = {"fingerprint": fingerprint, "blocks": blocks, "owner": owner, "keep_s": keep_s}
+        try:
+            json.dumps(header)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the fingerprint, blocks and owner must be JSON: {exc}") from None
+        exported: list[tuple[SharedLayout, list[int]]] = []
+        try:
+            for tensor in tensors:
+                exported.append(tensor.shared_layout())
+            return self._hand_over(exported, header)
+        finally:
+            for _, fds in exported:
+                for fd in fds:
+                    os.close(fd)
+
+    def _hand_over(
+        self, exported: list[tuple[SharedLayout, list[int]]], header: dict[str, Any]
+    ) -> KeptCache:
+        try:
+            with self._sock:
+                send_message(self._sock, {**header, "tensors": len(exported)})
+                for layout, fds in exported:
+                    send_layout(self._sock, layout, fds)
+                pid = int(receive_message(self._sock)["keeper_pid"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise RuntimeError(
+                f"keeper {self.pid} did not take the pages ({exc}); its error, if any, is on "
+                f"the stderr of the process that started it"
+            ) from exc
+        found = [r for r in kept_caches() if r.keeper_pid == pid]
+        if not found:
+            raise RuntimeError(f"keeper {pid} took the pages but has gone already")
+        return found[0]
+
+    def close(self) -> None:
+        """Let the keeper go without pages: it exits."""
+        self._sock.close()
+
+
+def start_keeper() -> SpareKeeper:
+    """Start a keeper process, out of this process's tree, idle until pages
+    come (:meth:`SpareKeeper.leave`). Returns once it is ready to take them.
+    RuntimeError if it did not start within :data:`START_S` seconds."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        ours.settimeout(START_S)
+        starter = subprocess.Popen(
+            [sys.executable, "-m", "extensible_kv.kept.keeper", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "EXTENSIBLE_KV_STATE_DIR": str(state_dir())},
+        )
+    try:
+        starter.wait(START_S)
+        pid = int(receive_message(ours)["ready"])
+    except (OSError, ValueError, KeyError, subprocess.TimeoutExpired) as exc:
+        starter.kill()
+        ours.close()
+        raise RuntimeError(f"the keeper process did not start ({exc})") from exc
+    return SpareKeeper(ours, pid)
 
 
 def leave(
@@ -33,70 +135,12 @@ def leave(
     *,
     owner: Any = None,
 ) -> KeptCache:
-    """Hand the memory mapped in ``tensors`` (made ``shareable``) to a new
-    keeper process, which holds it for ``keep_s`` seconds or until an
-    :func:`adopt` with an equal ``fingerprint`` (JSON) takes it; ``blocks``
-    (JSON: what names the pages, ``[block id, hash]`` each) goes with it.
-    With ``blocks`` None the pages are named later (:func:`name`, by
-    whoever knows the names, finding the keeper by ``owner``, JSON): until
-    then nobody adopts them. The tensors stay the caller's: free them after
-    (the pages live on in the keeper). Returns the keeper's record.
-
-    Raises ValueError, starting nothing, if ``keep_s`` is not a positive,
-    finite number of seconds, ``fingerprint`` or ``blocks`` is not JSON, or
-    a tensor is not ``shareable``; RuntimeError if the keeper did not take
-    the pages (the tensors are as they were).
-    """
-    if check_seconds("keep_s", keep_s) <= 0 or keep_s == float("inf"):
-        raise ValueError(f"keep_s must be a positive, finite number of seconds, got {keep_s!r}")
+    """:func:`start_keeper`, then :meth:`SpareKeeper.leave` (see there)."""
+    spare = start_keeper()
     try:
-        json.dumps([fingerprint, blocks, owner])
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"the fingerprint, blocks and owner must be JSON: {exc}") from None
-    exported: list[tuple[SharedLayout, list[int]]] = []
-    try:
-        for tensor in tensors:
-            exported.append(tensor.shared_layout())
-        names = {"fingerprint": fingerprint, "blocks": blocks, "owner": owner}
-        return _start_keeper(exported, names, keep_s)
+        return spare.leave(tensors, fingerprint, blocks, keep_s, owner=owner)
     finally:
-        for _, fds in exported:
-            for fd in fds:
-                os.close(fd)
-
-
-def _start_keeper(
-    exported: list[tuple[SharedLayout, list[int]]], names: dict[str, Any], keep_s: float
-) -> KeptCache:
-    """Start a keeper and hand it the pages; its record once it holds them."""
-    ours, theirs = socket.socketpair()
-    with ours, theirs:
-        ours.settimeout(START_S)
-        starter = subprocess.Popen(
-            [sys.executable, "-m", "extensible_kv.kept.keeper", str(theirs.fileno()), str(keep_s)],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-            env={**os.environ, "EXTENSIBLE_KV_STATE_DIR": str(state_dir())},
-        )
-        theirs.close()
-        try:
-            starter.wait(START_S)
-            send_message(ours, {**names, "tensors": len(exported)})
-            for layout, fds in exported:
-                send_layout(ours, layout, fds)
-            pid = int(receive_message(ours)["keeper_pid"])
-        except (OSError, ValueError, KeyError, subprocess.TimeoutExpired) as exc:
-            starter.kill()
-            raise RuntimeError(
-                f"the keeper process did not take the pages ({exc}); its error, if any, "
-                f"is on this process's stderr"
-            ) from exc
-    found = [r for r in kept_caches() if r.keeper_pid == pid]
-    if not found:
-        raise RuntimeError(f"keeper {pid} took the pages but has gone already")
-    return found[0]
+        spare.close()
 
 
 def name(record: KeptCache, blocks: list[list[Any]]) -> bool:

@@ -1,5 +1,5 @@
-"""The keeper process: ``python -m extensible_kv.kept.keeper FD KEEP_S``,
-started by :func:`~extensible_kv.kept.hand.leave` with one end of a socket
+"""The keeper process: ``python -m extensible_kv.kept.keeper FD``, started
+by :func:`~extensible_kv.kept.hand.start_keeper` with one end of a socket
 pair as descriptor ``FD``.
 
 It first leaves the process tree it was started in (a fork whose parent
@@ -58,7 +58,7 @@ class Keeper:
         self.ledger = Ledger(state_dir(), record.device_uuid)
 
     @classmethod
-    def receive(cls, sock: socket.socket, keep_s: float) -> Keeper:
+    def receive(cls, sock: socket.socket) -> Keeper:
         """Take the pages the leaver sends on ``sock``, claim them, publish."""
         header = receive_message(sock)
         held: list[_Held] = []
@@ -82,7 +82,7 @@ class Keeper:
             owner=header["owner"],
             nbytes=sum(size for h in held for _, size in h.layout.chunks),
             device_uuid=held[0].layout.device_uuid,
-            until=time.time() + keep_s,
+            until=time.time() + float(header["keep_s"]),
         )
         keeper = cls(driver, record, held)
         # The memory exists already: counted now, and by the leaver too
@@ -170,11 +170,17 @@ class Keeper:
 
 
 def main(argv: list[str]) -> None:
-    fd, keep_s = int(argv[0]), float(argv[1])
+    fd = int(argv[0])
     if os.fork():
-        os._exit(0)  # the leaver waits for this; the keeper goes on, in no tree of theirs
+        os._exit(0)  # the starter waits for this; the keeper goes on, in no tree of theirs
     with socket.socket(fileno=fd) as leaver:
-        keeper = Keeper.receive(leaver, keep_s)
+        send_message(leaver, {"ready": os.getpid()})
+        try:
+            # Idle until the pages come: a process that started a keeper
+            # ahead and stopped without leaving anything closes the socket.
+            keeper = Keeper.receive(leaver)
+        except ConnectionError:
+            return
         path = kept_dir() / f"{keeper.record.keeper_pid}.sock"
         path.unlink(missing_ok=True)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
