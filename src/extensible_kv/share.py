@@ -33,6 +33,7 @@ from extensible_kv.tensor import ExtensibleTensor, SharedLayout
 __all__ = [
     "MalformedMessageError",
     "SharedLayout",
+    "receive_exactly",
     "receive_layout",
     "receive_tensor",
     "send_layout",
@@ -68,7 +69,8 @@ def send_layout(sock: socket.socket, layout: SharedLayout, fds: Sequence[int]) -
         socket.send_fds(sock, [struct.pack(">I", len(batch))], batch)
 
 
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
+def receive_exactly(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes from ``sock``; ConnectionError if the peer closes first."""
     data = b""
     while len(data) < size:
         part = sock.recv(size - len(data))
@@ -96,13 +98,13 @@ def receive_tensor(
 def receive_layout(sock: socket.socket) -> tuple[SharedLayout, list[int]]:
     """Receive what :func:`send_layout` sent: the layout, and one new fd per
     chunk, which the caller owns and closes."""
-    (length,) = struct.unpack(">Q", _receive_exactly(sock, 8))
+    (length,) = struct.unpack(">Q", receive_exactly(sock, 8))
     if length > _MAX_LAYOUT_BYTES:
         raise MalformedMessageError(
             f"the layout announced is {length} bytes, more than the {_MAX_LAYOUT_BYTES} accepted"
         )
     try:
-        layout = SharedLayout.from_json(_receive_exactly(sock, length).decode())
+        layout = SharedLayout.from_json(receive_exactly(sock, length).decode())
     except (UnicodeDecodeError, ValueError, TypeError) as exc:
         raise MalformedMessageError(f"the layout received is malformed: {exc}") from None
     fds: list[int] = []

@@ -9,7 +9,7 @@ import socket
 import struct
 from typing import Any
 
-from extensible_kv.share import MalformedMessageError
+from extensible_kv.share import MalformedMessageError, receive_exactly
 
 __all__ = ["receive_message", "send_message"]
 
@@ -25,23 +25,13 @@ def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
 def receive_message(sock: socket.socket) -> dict[str, Any]:
     """One message; a ConnectionError if the peer closed first, a
     MalformedMessageError if what came is not a message."""
-    (length,) = struct.unpack(">Q", _exactly(sock, 8))
+    (length,) = struct.unpack(">Q", receive_exactly(sock, 8))
     if length > _MAX_MESSAGE_BYTES:
         raise MalformedMessageError(f"a message of {length} bytes announced, over the limit")
     try:
-        message = json.loads(_exactly(sock, length))
+        message = json.loads(receive_exactly(sock, length))
     except ValueError as exc:
         raise MalformedMessageError(f"a message that is not JSON: {exc}") from None
     if not isinstance(message, dict):
         raise MalformedMessageError("a message is a JSON object")
     return message
-
-
-def _exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        part = sock.recv(size - len(data))
-        if not part:
-            raise ConnectionError(f"the peer closed the socket {size - len(data)} bytes early")
-        data += part
-    return data
