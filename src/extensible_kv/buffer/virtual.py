@@ -358,11 +358,9 @@ class VirtualBuffer:
         return export_chunks(self)
 
     def map_imported(self, chunks: Sequence[tuple[int, int, int]], *, adopt: bool = False) -> None:
-        """Map memory another process exported: ``(offset, size, fd)`` per
-        chunk, into unmapped granules of this buffer. The fds stay the
-        caller's. All or nothing. With ``adopt`` the memory is this
-        process's to count from now on (``Driver.adopt_import``): the
-        exporter hands it over for good."""
+        """Map memory another process exported, ``(offset, size, fd)`` per
+        chunk, into unmapped granules; the fds stay the caller's. All or
+        nothing. ``adopt``: this process counts it (``Driver.adopt_import``)."""
         map_imported(self, chunks, adopt=adopt)
 
     # -- remapping with contents kept ------------------------------------------
