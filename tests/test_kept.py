@@ -22,6 +22,10 @@ from extensible_kv.budget import Ledger, snapshot
 from extensible_kv.cli import main
 from extensible_kv.driver import Driver, backend
 from extensible_kv.kept import KeptCache, adopt, drop, kept_caches, leave, name, start_keeper
+from extensible_kv.kv import KVCacheBuffers
+from extensible_kv.kv.growth.elastic import ElasticBlocks, ElasticOrders
+from test_growth import fill, reads
+from test_kv_buffers import CAPACITY, SHAPES
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -252,3 +256,58 @@ def test_a_keeper_started_ahead_takes_pages_at_once_or_exits_with_none(
     assert claims(budget) == {spare.pid: 4 * MiB}
     with pytest.raises(RuntimeError, match="did not take the pages"):
         spare.leave([tensor(budget)], FINGERPRINT, BLOCKS, 60)  # pages are taken once
+
+
+def shareable_cache(driver: Driver) -> KVCacheBuffers:
+    """test_kv_buffers' cache, shareable, one chunk per granule (for elastic units)."""
+    buffers = [
+        (
+            ExtensibleTensor(
+                CAPACITY * per_block * segments,
+                "cpu",
+                num_segments=segments,
+                shareable=True,
+                driver=driver,
+                chunk_bytes=GRANULE,
+            ),
+            per_block,
+        )
+        for segments, per_block in SHAPES
+    ]
+    return KVCacheBuffers(buffers, CAPACITY)
+
+
+def test_an_elastic_cache_adopts_the_units_another_left_with_their_blocks(
+    budget: BudgetDriver,
+) -> None:
+    """An engine's elastic cache leaves its held units; the next one's
+    adopts them before start(): held as they were, same bytes, and the
+    same orders map nothing more."""
+    old = shareable_cache(budget)
+    elastic = ElasticBlocks(old, CAPACITY)
+    elastic.start()
+    held = ((0, 1), (3, 4), (10, 12))
+    elastic.apply(ElasticOrders(1, 4, held=held))
+    fill(old, 13, 3)
+    fill(old, 41, 5)
+    leave([t for t, _ in old.tensors], FINGERPRINT, BLOCKS, 60)
+    old.free()
+    stats = StatisticsDriver(budget)
+    new = shareable_cache(stats)
+    again = ElasticBlocks(new, CAPACITY)
+    with pytest.raises(ValueError, match="are not mapped"):
+        again.adopted(held, 4)
+    assert again.held_units == ()
+    assert adopt([t for t, _ in new.tensors], FINGERPRINT) is not None
+    with pytest.raises(ValueError, match="within the 64 blocks"):
+        again.adopted(((0, 1), (16, 17)), 4)
+    again.adopted(held, 4)
+    again.start()
+    assert again.held_units == held
+    assert (reads(new, 13), reads(new, 41)) == ({3}, {5})
+    stats.reset_calls()
+    again.apply(ElasticOrders(1, 4, held=held))
+    assert stats.calls["create"].calls == 0
+    with pytest.raises(ValueError, match="before start"):
+        again.adopted(held, 4)
+    new.free()

@@ -224,6 +224,39 @@ class ElasticBlocks:
         with), before warm-up or the first step."""
         self._commit({0})
 
+    def adopted(self, units: UnitRanges, blocks_per_unit: int) -> None:
+        """Hold ``units`` (of ``blocks_per_unit`` blocks), whose memory the
+        caller has just mapped with what it held (pages a keeper kept over
+        an engine's restart, :mod:`extensible_kv.kept`), then
+        :meth:`start`. Before :meth:`start` only.
+
+        Raises ValueError, changing nothing, if a unit is past the blocks
+        or not mapped in every byte of every buffer."""
+        check_int("blocks_per_unit", blocks_per_unit)
+        if self._held or self.cache.asleep:
+            raise ValueError("adopted units come before start(), with nothing held yet")
+        adopted = set(units_of(units))
+        per = blocks_per_unit
+        if per < 1 or any(not 0 <= unit * per < self.num_blocks for unit in adopted):
+            raise ValueError(
+                f"units {ranges_of(adopted)} of {per} blocks are not all within the "
+                f"{self.num_blocks} blocks"
+            )
+        before = self._books.blocks_per_unit
+        self._books.set(adopted, blocks_per_unit=per)
+        unmapped = [
+            (offset, size)
+            for (tensor, _), ranges in zip(
+                self.cache.tensors, self._byte_ranges(adopted), strict=True
+            )
+            for offset, size in ranges
+            if sum(n for _, n in tensor.buffer.mapped_in(offset, size)) != size
+        ]
+        if unmapped:
+            self._books.set((), blocks_per_unit=before)
+            raise ValueError(f"adopted units are not mapped at bytes {unmapped[:4]}")
+        self.high_water = max(self.high_water, self.num_blocks_held)
+
     @serialized
     def apply(self, orders: ElasticOrders) -> ElasticReport:
         """Hold exactly ``orders.held`` plus as many ``orders.wanted`` units
