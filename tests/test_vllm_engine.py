@@ -393,12 +393,14 @@ def test_bad_configuration_is_one_clear_line(
         (
             {"capacity": 4096},
             "with num_blocks_capacity, growth, budget_wait_s, cache_bytes, floor_bytes, "
-            "cap_bytes only",
+            "cap_bytes, keep_prefix_cache_s only",
         ),
         ({"budget_wait_s": -1}, "budget_wait_s'] is -1"),
         ({"growth": "lazy"}, "give one of 'static', 'on_demand', 'elastic'"),
         ({"cache_bytes": 1 << 20}, "of growth 'elastic' only"),
         ({"growth": "elastic", "cache_bytes": -1}, "cache_bytes'] is -1"),
+        ({"keep_prefix_cache_s": 60}, "of growth 'elastic' only"),
+        ({"growth": "elastic", "keep_prefix_cache_s": 0}, "a positive number"),
         (
             {"growth": "elastic"},
             "'elastic' needs scheduler_cls='extensible_kv.integrations.vllm.ExtensibleKVScheduler'",

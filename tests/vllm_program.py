@@ -15,8 +15,10 @@ refused sleep).
     python tests/vllm_program.py '{"model": DIR, "additional_config": {...}}'
 
 Settings: ``model``, ``additional_config`` (our worker and scheduler are
-used), ``multiprocessing`` (vLLM's default engine-core process, else the
-engine steps in this one), ``tp`` (tensor-parallel ranks, 1 if left out).
+used; with ``stock`` true, vLLM's own), ``multiprocessing`` (vLLM's
+default engine-core process, else the
+engine steps in this one), ``tp`` (tensor-parallel ranks, 1 if left out),
+``block_size`` (32 if left out).
 It prints ``ready`` (after the mark) once the engine is made.
 :class:`Program` runs it from a test.
 """
@@ -42,6 +44,8 @@ PATIENCE_S = 300
 MiB = 1 << 20
 #: What starts the program's own lines on its stdout.
 MARK = "@@ "
+#: What the reader puts last, once the program's stdout has closed.
+_ENDED = "\0ended"
 
 
 class Program:
@@ -67,14 +71,18 @@ class Program:
         for line in self.process.stdout:
             if line.startswith(MARK):  # vLLM logs to stdout too
                 self._lines.put(line[len(MARK) :].strip())
+        self._lines.put(_ENDED)
 
     def _answer(self) -> str:
         try:
-            return self._lines.get(timeout=PATIENCE_S)
+            answer = self._lines.get(timeout=PATIENCE_S)
         except queue.Empty:
             raise AssertionError(
                 f"the program said nothing for {PATIENCE_S} s: {self.stderr()[-4000:]}"
             ) from None
+        if answer is _ENDED:
+            raise AssertionError(f"the program ended: {self.stderr()[-4000:]}")
+        return answer
 
     def ask(self, line: dict[str, Any]) -> Any:
         """The program's answer to one line (see the module)."""
@@ -107,12 +115,22 @@ class Program:
             return []
         return [self.process.pid, *(child.pid for child in children)]
 
+    def close(self) -> int:
+        """End the program as a script ends: its input closed, it returns
+        and its engine shuts down as vLLM shuts one down; its exit status."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        status = self.process.wait(PATIENCE_S)
+        self._stderr.close()
+        return status
+
     def stop(self) -> None:
         """End the program and every process it started."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, 9)
         self.process.wait(60)
-        self._stderr.close()
+        if not self._stderr.closed:
+            self._stderr.close()
 
 
 def main() -> None:
@@ -128,13 +146,12 @@ def main() -> None:
         enforce_eager=True,
         dtype="float32",
         max_model_len=512,
-        block_size=32,
+        block_size=settings.get("block_size", 32),
         tensor_parallel_size=settings.get("tp", 1),
         enable_prefix_caching=True,
         kv_cache_memory_bytes=128 * MiB,
-        worker_cls=WORKER,
-        scheduler_cls=SCHEDULER,
-        additional_config=settings["additional_config"],
+        **({} if settings.get("stock") else {"worker_cls": WORKER, "scheduler_cls": SCHEDULER}),
+        additional_config=settings.get("additional_config", {}),
     )
     print(MARK + "ready", flush=True)
     for line in sys.stdin:

@@ -159,10 +159,12 @@ def name(record: KeptCache, blocks: list[list[Any]]) -> bool:
 
 @dataclass(frozen=True)
 class Adopted:
-    """What :func:`adopt` mapped: the keeper's ``blocks`` and the bytes."""
+    """What :func:`adopt` mapped: the keeper's ``blocks``, the bytes, and
+    the ``owner`` its leaver named."""
 
     blocks: list[list[Any]]
     nbytes: int
+    owner: Any = None
 
 
 def adopt(tensors: Sequence[ExtensibleTensor], fingerprint: dict[str, Any]) -> Adopted | None:
@@ -185,7 +187,7 @@ def adopt(tensors: Sequence[ExtensibleTensor], fingerprint: dict[str, Any]) -> A
                 continue
             _map_all(sock, tensors, int(answer["tensors"]))
             send_message(sock, {"op": "taken"})
-            return Adopted(answer["blocks"], record.nbytes)
+            return Adopted(answer["blocks"], record.nbytes, record.owner)
     return None
 
 

@@ -5,12 +5,13 @@ first use) into an :class:`Options` that each keeps and passes on."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 #: The options ``additional_config["extensible_kv"]`` takes.
 OPTIONS = (
     *("num_blocks_capacity", "growth", "budget_wait_s", "cache_bytes"),
-    *("floor_bytes", "cap_bytes"),
+    *("floor_bytes", "cap_bytes", "keep_prefix_cache_s"),
 )
 #: The values of the ``growth`` option.
 GROWTH_MODES = ("static", "on_demand", "elastic")
@@ -38,6 +39,10 @@ class Options:
             the prefix cache (None: the scheduler's default).
         floor_bytes: the bytes this rank's budget keeps for it.
         cap_bytes: the most bytes this rank may claim (None: no cap).
+        keep_prefix_cache_s: with ``growth`` ``"elastic"``, the seconds the
+            pages of the prefix cache outlive the engine's stop, held by a
+            keeper process, for an engine started again with the same
+            fingerprint to adopt (None: off).
     """
 
     num_blocks_capacity: object = None
@@ -46,6 +51,7 @@ class Options:
     cache_bytes: int | None = None
     floor_bytes: int = 0
     cap_bytes: int | None = None
+    keep_prefix_cache_s: float | None = None
 
 
 def _option_error(name: str, value: object, rule: str) -> ValueError:
@@ -83,6 +89,7 @@ def options_of(vllm_config: Any) -> Options:
             "cache_bytes", cache, "it bounds the prefix cache of growth 'elastic' only"
         )
     floor, cap = _floor_and_cap(options)
+    keep = _keep_s(options, growth, vllm_config)
     if growth in ("on_demand", "elastic") and vllm_config.kv_transfer_config is not None:
         raise _option_error(
             "growth",
@@ -99,6 +106,7 @@ def options_of(vllm_config: Any) -> Options:
         cache_bytes=cache,
         floor_bytes=floor,
         cap_bytes=cap,
+        keep_prefix_cache_s=keep,
     )
 
 
@@ -119,6 +127,36 @@ def _floor_and_cap(options: dict[str, Any]) -> tuple[int, int | None]:
     if cap is not None and floor > cap:
         raise _option_error("floor_bytes", floor, f"it is above cap_bytes ({cap})")
     return floor, cap
+
+
+def _keep_s(options: dict[str, Any], growth: str, vllm_config: Any) -> float | None:
+    """``keep_prefix_cache_s``: None, or seconds (a positive, finite
+    number), with growth ``"elastic"`` and block hashes that another
+    process computes alike."""
+    keep = options.get("keep_prefix_cache_s")
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep < float("inf"):
+        raise _option_error(
+            "keep_prefix_cache_s",
+            keep,
+            "give the seconds the prefix cache outlives the engine (a positive number)",
+        )
+    if growth != "elastic":
+        raise _option_error(
+            "keep_prefix_cache_s", keep, "it keeps the prefix cache of growth 'elastic' only"
+        )
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if algo.startswith("xxhash") and "PYTHONHASHSEED" not in os.environ:
+        # vLLM seeds xxhash block hashes at random in each process unless
+        # PYTHONHASHSEED is set: a new engine could not find the old blocks.
+        raise _option_error(
+            "keep_prefix_cache_s",
+            keep,
+            f"prefix_caching_hash_algo {algo!r} hashes blocks differently in every process "
+            f"unless PYTHONHASHSEED is set: set it, or use 'sha256'",
+        )
+    return float(keep)
 
 
 def _is_ours(scheduler: object) -> bool:

@@ -23,6 +23,8 @@ from extensible_kv.budget.state_dir import StateDirError
 from extensible_kv.devices import get_driver, resolve_device, without_wants
 from extensible_kv.driver import Driver, PoolingDriver
 from extensible_kv.intervals import IntervalSet
+from extensible_kv.kept import KeptCache, SpareKeeper, adopt, drop, kept_caches, name, start_keeper
+from extensible_kv.kept.record import kept_dir
 from extensible_kv.kv import (
     KVCache,
     KVCacheBuffers,
@@ -57,7 +59,15 @@ __all__ = [
     "accounting_of",
     "allocate_kv_cache",
     "at_capacity",
+    "KeptCache",
+    "SpareKeeper",
+    "adopt",
     "check_bool",
+    "drop",
+    "kept_caches",
+    "kept_dir",
+    "name",
+    "start_keeper",
     "check_int",
     "format_bytes",
     "get_driver",

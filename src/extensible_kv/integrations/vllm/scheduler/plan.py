@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -313,6 +313,20 @@ class ElasticPlan:
         for unit in kept:
             units.push_empty(unit)
         return more
+
+    def adopt(self, units: Iterable[tuple[int, int]], cached: Iterable[Any]) -> None:
+        """Before the first plan: the workers hold ``units`` (ranges, unit 0
+        aside), adopted from a stopped engine, and the pool names
+        ``cached`` (vLLM's blocks in them, their hashes inserted, free):
+        count the units held and the blocks cached, oldest first."""
+        for start, end in units:
+            self._set_committed(start, end, True)
+        for block in cached:
+            # Through the queue's own calls: a free block vLLM takes and
+            # gives back with its hash is what counts as cached.
+            self.queue.remove(block)
+            self.queue.append(block)
+        self.queue.take_freed()
 
     def _set_committed(self, start: int, end: int, committed: bool) -> None:
         """Count units ``[start, end)`` as held by the workers or not, their

@@ -69,6 +69,7 @@ from extensible_kv.integrations.vllm.scheduler.give_way import (  # noqa: E402
 )
 from extensible_kv.integrations.vllm.scheduler.plan import ElasticPlan  # noqa: E402
 from extensible_kv.integrations.vllm.scheduler.pressure import Pressure  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.restart import name_kept, seed_adopted  # noqa: E402
 from extensible_kv.integrations.vllm.seam import segmentation  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,10 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
             cache_bytes,
             cache_bytes // bytes_per_block,
         )
+        if self._options.keep_prefix_cache_s is not None:
+            seed_adopted(
+                self._elastic, self.kv_cache_manager.block_pool, int(self.block_size), vllm_config
+            )
 
     def _demand(self, to_finish: bool) -> int:
         """Free blocks the requests need: soon, or, ``to_finish`` (once a
@@ -272,6 +277,9 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
             if self._give_way is not None:
                 self._give_way.close()
             self._pressure.close()
+            if self._options.keep_prefix_cache_s is not None:
+                # vLLM stopped the workers first: their pages wait for names.
+                name_kept(self.kv_cache_manager.block_pool, int(self.block_size), self.vllm_config)
         super().shutdown()
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:

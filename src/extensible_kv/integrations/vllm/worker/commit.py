@@ -7,6 +7,7 @@ commits it from then on."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from extensible_kv.integrations.vllm.seam import (
@@ -27,13 +28,19 @@ def for_runner(layout: Any, num_blocks: int) -> Any:
 
 
 def commit_count(
-    cache: KVCacheBuffers, num_blocks: int, growth: str, *, defragment: bool
+    cache: KVCacheBuffers,
+    num_blocks: int,
+    growth: str,
+    *,
+    defragment: bool,
+    adopt: Callable[[ElasticBlocks], object] | None = None,
 ) -> OnDemandGrowth | ElasticBlocks | None:
     """Commit vLLM's ``num_blocks`` blocks in ``cache`` as ``growth`` says:
     ``"static"`` all of them (``defragment``: in one piece, for a connector;
     returns None), ``"on_demand"`` the first step, ``"elastic"`` unit 0 only
-    (after clearing it). Returns what commits the rest from then on; it commits in
-    ``cache``, which the caller still owns."""
+    (after clearing it, and ``adopt``, if given, taking in what a stopped
+    engine kept, before anything is committed). Returns what commits the
+    rest from then on; it commits in ``cache``, which the caller still owns."""
     if growth == "on_demand":
         # Memory follows the ids the scheduler hands out (execute_model).
         on_demand = OnDemandGrowth(cache, num_blocks)
@@ -44,6 +51,8 @@ def commit_count(
         # units of granules, not as the prefix the allocation committed.
         cache.clear()
         elastic = ElasticBlocks(cache, num_blocks)
+        if adopt is not None:
+            adopt(elastic)
         elastic.start()
         return elastic
     cache.commit(num_blocks, defragment=defragment)

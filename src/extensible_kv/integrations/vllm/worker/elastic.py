@@ -81,8 +81,9 @@ class ElasticSteps:
         self._told_ledgers = False
         #: Units a step has written blocks of since they were committed
         #: (zeroed): the only ones that may hold what vLLM's prefix cache
-        #: names, so the only ones a preserving sleep copies.
-        self.dirty: set[int] = set()
+        #: names, so the only ones a preserving sleep copies. At the start,
+        #: the units held: unit 0, and those adopted from a stopped engine.
+        self.dirty: set[int] = set(blocks.held)
 
     def with_report(self, output: Any) -> Any:
         """``output`` (a step's, from vLLM's runner) carrying the report on

@@ -86,6 +86,7 @@ from extensible_kv.integrations.vllm.worker import (  # noqa: E402
 from extensible_kv.integrations.vllm.worker.budget import set_floor_and_cap  # noqa: E402
 from extensible_kv.integrations.vllm.worker.elastic import ElasticSteps, elastic_driver  # noqa: E402
 from extensible_kv.integrations.vllm.worker.handover import HandOver  # noqa: E402
+from extensible_kv.integrations.vllm.worker.restart import Restart, adopter  # noqa: E402
 from extensible_kv.integrations.vllm.worker.state import STATE_KEYS  # noqa: E402
 from extensible_kv.integrations.vllm.worker.steps import scheduled_block_ids  # noqa: E402
 
@@ -119,6 +120,9 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         #: Whether a sleep took the KV cache from its connector (vLLM 0.33+),
         #: to be registered again on the wake.
         self._connector_unregistered = False
+        #: The keeper (``keep_prefix_cache_s``); whether warm-up's reservation is made.
+        self._restart: Restart | None = None
+        self._measuring = False
 
     @functools.cached_property
     def _options(self) -> Options:
@@ -159,9 +163,11 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         if explicit or self._has_connector() or unavailable_reason(self.device) is not None:
             return int(super().determine_available_memory())
         # Reserve at the capacity and commit the blocks warm-up needs.
+        self._measuring = True
         self.initialize_from_config(
             sizing.warm_up_config(self.vllm_config, self.model_runner.get_kv_cache_spec())
         )
+        self._measuring = False
         assert self._kv is not None
         sizing.warm_up(self.model_runner, self.compile_or_warm_up_model)
         self._sizing = sizing.measured(*self._budget_and_used(), self._kv.cache)
@@ -222,11 +228,12 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         set_floor_and_cap(self.device, self._options)
         connectors.check_connector_pool(self.vllm_config, runner_config)
         elastic = self._options.growth == "elastic"
+        self._restart = self._restart or Restart.of(self._options, self.vllm_config)
         step_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
         kv = allocate_kv_cache(
             layout,
             device=self.device,
-            shareable=self._has_connector(),
+            shareable=self._has_connector() or self._restart is not None,
             driver=elastic_driver(self.device, layout, step_tokens) if elastic else None,
             # Elastic memory gives single granules back: one chunk each.
             chunk_bytes=granule_size(self.device) if elastic else None,
@@ -252,11 +259,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
         """Commit vLLM's count (with on-demand growth, the first step) and
         let vLLM build and bind its views over the reservation."""
         assert self._kv is not None
+        restart = None if self._measuring else self._restart
         growth = commit.commit_count(
             self._kv.cache,
             int(runner_config.num_blocks),
             self._options.growth,
             defragment=self._has_connector(),
+            adopt=adopter(restart, self.vllm_config, runner_config, self._kv.cache),
         )
         self._growth = growth if isinstance(growth, OnDemandGrowth) else None
         self._elastic = ElasticSteps(growth) if isinstance(growth, ElasticBlocks) else None
@@ -285,6 +294,13 @@ class ExtensibleKVWorker(_VllmWorker):  # type: ignore[misc]
             "extensible-kv: %d blocks committed after warm-up, under the same addresses",
             self._kv.cache.num_blocks_committed,
         )
+
+    def shutdown(self) -> None:
+        """vLLM's, after the prefix cache's pages go to the keeper (``keep_prefix_cache_s``)."""
+        restart, self._restart = self._restart, None
+        if restart is not None and self._elastic is not None:
+            restart.leave(self._elastic.blocks, self._elastic.dirty)
+        super().shutdown()
 
     def _maybe_get_memory_pool_context(self, tag: str) -> Any:
         """vLLM's hook for where an allocation goes: the KV cache's goes to
