@@ -60,6 +60,7 @@ def vllm(session: nox.Session) -> None:
         "tests/test_vllm_rl.py",
         "tests/test_vllm_connectors.py",
         "tests/test_vllm_several.py",
+        "tests/test_vllm_restart.py",
         "tests/test_vllm_trace.py",
         "tests/test_vllm_batch_queue.py",
         "tests/test_scheduler_bench.py",

@@ -1,5 +1,6 @@
 """The README as a newcomer reads it: its snippet runs as written, it says
-each thing once, every file it names exists, its numbers are the docs'."""
+each thing once, every file it names exists, its commands run every test
+they should, its numbers are the docs'."""
 
 from __future__ import annotations
 
@@ -31,6 +32,22 @@ def test_every_file_named_exists() -> None:
         for name in named.findall(text):
             name = name.rstrip(".)")
             assert (ROOT / name).exists(), f"{path.name} names {name}, which does not exist"
+
+
+def test_the_engine_users_command_runs_every_engine_test() -> None:
+    """``nox -s vllm`` (the README's command for engine users) names its
+    modules one by one: a new test module that needs vLLM must join the
+    list (the benchmark's end-to-end test runs in CI, beside it)."""
+    noxfile = (ROOT / "noxfile.py").read_text()
+    needs_vllm = re.compile(r'^pytest\.importorskip\("vllm"\)', re.M)
+    engine_tests = sorted(
+        p.name for p in (ROOT / "tests").glob("test_*.py") if needs_vllm.search(p.read_text())
+    )
+    assert "test_vllm_engine.py" in engine_tests
+    missing = [
+        t for t in engine_tests if f'"tests/{t}"' not in noxfile and t != "test_vllm_bench.py"
+    ]
+    assert not missing, f"nox -s vllm does not run {missing}"
 
 
 def test_the_readme_numbers_are_the_docs_numbers() -> None:
