@@ -25,7 +25,7 @@ from extensible_kv.kept import KeptCache, adopt, drop, kept_caches, leave, name,
 from extensible_kv.kv import KVCacheBuffers
 from extensible_kv.kv.growth.elastic import ElasticBlocks, ElasticOrders
 from test_growth import fill, reads
-from test_kv_buffers import CAPACITY, SHAPES
+from test_kv_buffers import CAPACITY, make_cache
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -260,21 +260,7 @@ def test_a_keeper_started_ahead_takes_pages_at_once_or_exits_with_none(
 
 def shareable_cache(driver: Driver) -> KVCacheBuffers:
     """test_kv_buffers' cache, shareable, one chunk per granule (for elastic units)."""
-    buffers = [
-        (
-            ExtensibleTensor(
-                CAPACITY * per_block * segments,
-                "cpu",
-                num_segments=segments,
-                shareable=True,
-                driver=driver,
-                chunk_bytes=GRANULE,
-            ),
-            per_block,
-        )
-        for segments, per_block in SHAPES
-    ]
-    return KVCacheBuffers(buffers, CAPACITY)
+    return make_cache("cpu", driver, GRANULE, shareable=True)
 
 
 def test_an_elastic_cache_adopts_the_units_another_left_with_their_blocks(

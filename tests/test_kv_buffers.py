@@ -33,13 +33,16 @@ CAPACITY = 64
 SHAPES = [(2, 48 * 1024), (1, 96 * 1024), (1, 40 * 1024 + 16)]
 
 
-def make_cache(device: str, driver: Driver, chunk_bytes: int | None = None) -> KVCacheBuffers:
+def make_cache(
+    device: str, driver: Driver, chunk_bytes: int | None = None, *, shareable: bool = False
+) -> KVCacheBuffers:
     buffers = [
         (
             ExtensibleTensor(
                 CAPACITY * per_block * segments,
                 device,
                 num_segments=segments,
+                shareable=shareable,
                 driver=driver,
                 chunk_bytes=chunk_bytes,
             ),
