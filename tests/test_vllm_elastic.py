@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_report import report_of
+from extensible_kv.bench.child import prompt
 from extensible_kv.demo.tiny_models import save_tiny_model
+from extensible_kv.integrations.vllm.scheduler.scheduler import LINGER_S
+from vllm_program import Program
 
 ENGINE = Path(__file__).resolve().parent / "vllm_elastic.py"
 MiB = 1 << 20
@@ -133,3 +137,35 @@ def test_a_burst_past_the_budget_waits_for_memory_and_never_passes_it(
     # Without the limit the burst holds more at once.
     free = run({"model": model, "worker": "ours", "trace": "limit"})
     assert free["state"][0]["high_water_blocks"] * bytes_per_block > 24 * MiB
+
+
+def test_requests_one_at_a_time_find_the_blocks_ahead_until_the_linger_ends(
+    model: str, tmp_path: Path
+) -> None:
+    """vLLM runs an empty step after a request finishes; the blocks kept
+    ahead stay through it, so the next request, come before
+    :data:`LINGER_S` is over, is scheduled at once on memory already
+    committed (no unit committed, no step waited for it); they go back
+    once the linger is over, the engine's own loop stepping for that."""
+    env = {"EXTENSIBLE_KV_STATE_DIR": str(tmp_path)}
+    prompts = [prompt(300 + i, 200, shared=160) for i in range(4)]
+    stock_program = Program({"model": model, "multiprocessing": True, "stock": True}, env)
+    try:
+        tokens = [stock_program.generate([p], 8)[0] for p in prompts]
+    finally:
+        stock_program.stop()
+    config = {"extensible_kv": {"growth": "elastic", "cache_bytes": CACHE_BYTES}}
+    ours = Program({"model": model, "multiprocessing": True, "additional_config": config}, env)
+    try:
+        held, served = [], []
+        for p in prompts:
+            served.append(ours.generate([p], 8)[0])
+            held.append(ours.ask({"op": "state"})["state"]["physical_bytes"])
+        # After every request, the blocks ahead still held; then given back.
+        deadline, falls_to = time.monotonic() + LINGER_S + 10, min(held) - AHEAD_BYTES
+        while (now := ours.ask({"op": "state"})["state"]["physical_bytes"]) > falls_to:
+            assert time.monotonic() < deadline, f"held {held} after the requests, {now} now"
+            time.sleep(0.2)
+    finally:
+        ours.stop()
+    assert served == tokens

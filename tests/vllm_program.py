@@ -5,12 +5,12 @@ lines, as a notebook or a batch job is between ``generate`` calls. A line
 ``{"prompts": [[token ids]], "max_tokens": n}`` is answered with the greedy
 completions' token ids and each request's prefix-cache hits (tokens):
 ``{"tokens": [[...]], "cached": [...]}``. A line ``{"op": ...}`` is one of
-the sleep that keeps the prefix cache's turns, answered with the first
+the sleep that keeps the prefix cache's turns, or a look, answered with the first
 rank's ``extensible_kv_state`` and ``error`` (what vLLM raised, or None):
 ``"sleep"`` (``llm.sleep(level=0)``, then ``sleep_kv_cache(preserve=True)``),
 ``"wake"`` (``wake_kv_cache``, waiting up to a minute for memory, then the
-scheduler resumed) and ``"resume"`` (the scheduler resumed only, after a
-refused sleep).
+scheduler resumed), ``"resume"`` (the scheduler resumed only, after a
+refused sleep) and ``"state"`` (nothing done: the answer alone).
 
     python tests/vllm_program.py '{"model": DIR, "additional_config": {...}}'
 
@@ -180,9 +180,10 @@ def turn(llm: Any, op: str) -> dict[str, Any]:
         elif op == "wake":
             llm.collective_rpc("wake_kv_cache", kwargs={"wait_s": 60})
             llm.wake_up(tags=["scheduling"])
-        else:
-            assert op == "resume", op
+        elif op == "resume":
             llm.wake_up(tags=["scheduling"])
+        else:
+            assert op == "state", op
     except Exception as exc:  # vLLM wraps what the worker raised
         error = str(exc)
     return {"error": error, "state": llm.collective_rpc("extensible_kv_state")[0]}

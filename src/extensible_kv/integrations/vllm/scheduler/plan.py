@@ -87,6 +87,9 @@ class ElasticPlan:
         self._sent_use = (0, 0)
         #: Whether the last orders let the workers keep memory idle.
         self.keeps_idle = False
+        #: Whether the last plan kept blocks ahead of the demand (an idle
+        #: plan gives them back).
+        self._kept_ahead = False
         self._seq = 0
         self._retry_at = 0.0
         #: Plans made, and how many had been made when a budget last refused units.
@@ -101,8 +104,9 @@ class ElasticPlan:
     def needs_step(self) -> bool:
         """Whether a step would change what the workers hold (checked when
         no request runs, so that memory follows the load down): a change,
-        or units that go back once the batches running are done."""
-        return self.queue.changed or self.in_flight.any_pinned
+        units that go back once the batches running are done, or blocks
+        kept ahead of a demand that is gone."""
+        return self.queue.changed or self.in_flight.any_pinned or self._kept_ahead
 
     def batch_scheduled(self) -> None:
         """vLLM scheduled a batch (after the plan of its orders)."""
@@ -147,7 +151,7 @@ class ElasticPlan:
         # Handles of units given back may wait idle for the next commits
         # (a burst then creates none) only while the engine runs and no one
         # else wants memory: idle, they would hold what should go back.
-        keep_idle = ahead_blocks > 0
+        keep_idle = self._kept_ahead = ahead_blocks > 0
         # The prefix cache is not spent on new blocks while memory can
         # still be committed: a burst waits a step for its units instead.
         # Once the budget refuses, the engine lends its own cache before it

@@ -179,11 +179,22 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
 
     def _ahead(self) -> int:
         """Free blocks kept ahead of the demand while requests wait or run
-        (a step's worth); none when the engine is idle, so that its memory
-        follows the load down, and none while another process wanted memory
-        lately (:meth:`Pressure.wanted_lately`)."""
+        (a step's worth), and through :data:`LINGER_S` after, where the
+        engine's own loop steps it again to give them back
+        (:class:`GiveWay`); none while another process wanted memory lately
+        (:meth:`Pressure.wanted_lately`)."""
         if not (self.waiting or self.running):
-            return 0
+            # vLLM runs one empty step after a request finishes (to tell
+            # the workers): giving the blocks ahead back there committed
+            # them again for the next request, one step later. One request
+            # at a time, each finished before the next came, cost a step
+            # and a commit of a step's blocks per request (3.5x stock's
+            # time to first token: docs/performance.md, the restart case).
+            # An engine stepped in-process may not step again: it gives
+            # them back at once.
+            lingering = time.monotonic() - self._busy_at < LINGER_S
+            if self._give_way is None or not lingering:
+                return 0
         # Blocks ahead save a burst's later requests a step; taken from a
         # budget another engine was refused by moments ago, they cost that
         # engine a refusal, a want and this engine's step to give them back,
