@@ -197,7 +197,9 @@ class ElasticPlan:
         ``blocks`` blocks are free to go back (the release that follows
         gives them), keeping at least the floor's blocks held; at most
         :data:`RELEASE_PER_STEP` units. Whether more are to go."""
-        units, left = self.queue.units, self.held_blocks
+        # Free blocks do not count towards the floor: the release gives
+        # back the units they fill (the blocks kept ahead, above all).
+        units, left = self.queue.units, self.held_blocks - self.queue.num_clean
         doomed: list[int] = []
         while blocks > 0 and len(doomed) < RELEASE_PER_STEP:
             unit = units.oldest_only_cached()
