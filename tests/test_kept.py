@@ -162,6 +162,20 @@ def test_a_killed_keeper_leaves_nothing_held(budget: BudgetDriver, tmp_path: Pat
     assert adopt([tensor(budget)], FINGERPRINT) is None
 
 
+def test_kept_pages_go_back_once_another_process_wants_the_memory(
+    budget: BudgetDriver,
+) -> None:
+    """Under a limit the pages fill, a claim another process waits on posts
+    a want; the keeper gives its pages back, and the claim goes through."""
+    record = left_behind(budget)
+    ledger = budget.ledger(0)
+    ledger.set_limit(record.nbytes + 4 * MiB)
+    ledger.claim(8 * MiB, timeout_s=20)  # waits for the keeper
+    assert kept_caches() == []
+    assert claims(budget) == {os.getpid(): 8 * MiB}
+    ledger.give_back(8 * MiB)
+
+
 def test_the_cli_lists_the_kept_pages_and_drops_them(
     budget: BudgetDriver, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,7 +9,8 @@ per chunk), imports them into handles of its own through the device's
 backend (a handle keeps the memory alive on every driver; a bare
 descriptor need not), claims them in the device's budget, publishes its
 record and serves its socket until a taker with the same fingerprint
-adopts the pages, someone drops them, or ``KEEP_S`` seconds pass. Then it
+adopts the pages, someone drops them, another process on the device wants
+memory the budget refused it, or ``keep_s`` seconds pass. Then it
 releases the handles and gives the claim back. Killed, it leaves nothing:
 its descriptors and handles go with it, and the budget forgets a dead
 process's claim.
@@ -40,6 +41,8 @@ __all__ = ["main"]
 
 #: Seconds a taker has to say it mapped the pages before the keeper keeps them again.
 TAKE_S = 60.0
+#: Seconds between two looks at the device's wants.
+LOOK_EVERY_S = 0.25
 
 
 @dataclass
@@ -113,9 +116,11 @@ class Keeper:
     def serve(self, listener: socket.socket) -> None:
         """Answer takers and droppers until the pages go."""
         while (left := self.record.until - time.time()) > 0:
-            ready, _, _ = select.select([listener], [], [], left)
+            ready, _, _ = select.select([listener], [], [], min(left, LOOK_EVERY_S))
             if not ready:
-                break
+                if self._wanted():
+                    return
+                continue
             conn, _ = listener.accept()
             with conn:
                 conn.settimeout(TAKE_S)
@@ -124,6 +129,13 @@ class Keeper:
                         return
                 except (OSError, ValueError, KeyError):
                     continue  # a taker that failed: keep the pages
+
+    def _wanted(self) -> bool:
+        """Whether another process wants memory on the device: kept pages
+        are a cache nobody serves from yet, the first memory to go (an
+        engine of another model started under the same limit, say)."""
+        holders = self.ledger.read().holders
+        return any(held.wanted_bytes for p, held in holders.items() if p.pid != os.getpid())
 
     def _answer(self, conn: socket.socket) -> bool:
         """One request; True once the pages are gone (taken or dropped)."""
