@@ -141,6 +141,11 @@ class ElasticPlan:
         self.in_flight.given_back(queue.take_freed())
         more = self._bound_cache()
         if give_blocks:
+            if not self._pending:
+                # Empty units (the blocks kept ahead through the linger,
+                # above all) go first, so that the floor counts only what
+                # stays: counted, they let the cache go below it.
+                more |= self._release(queue.num_clean - demand_blocks)
             more |= self._give(give_blocks)
         # Requests that arrive while a step runs find, at the next one, only
         # what this plan committed: without blocks ahead, a burst's first
@@ -197,9 +202,7 @@ class ElasticPlan:
         ``blocks`` blocks are free to go back (the release that follows
         gives them), keeping at least the floor's blocks held; at most
         :data:`RELEASE_PER_STEP` units. Whether more are to go."""
-        # Free blocks do not count towards the floor: the release gives
-        # back the units they fill (the blocks kept ahead, above all).
-        units, left = self.queue.units, self.held_blocks - self.queue.num_clean
+        units, left = self.queue.units, self.held_blocks
         doomed: list[int] = []
         while blocks > 0 and len(doomed) < RELEASE_PER_STEP:
             unit = units.oldest_only_cached()
