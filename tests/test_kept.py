@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,6 +176,28 @@ def test_kept_pages_go_back_once_another_process_wants_the_memory(
     assert kept_caches() == []
     assert claims(budget) == {os.getpid(): 8 * MiB}
     ledger.give_back(8 * MiB)
+
+
+def test_a_program_that_left_pages_ends_for_whoever_reads_its_output(
+    budget: BudgetDriver,
+) -> None:
+    """The keeper outlives its starter but holds none of its output: a
+    parent reading the program's stdout and stderr to their end (a shell's
+    ``| tee``, ``subprocess.run``) sees them end with the program."""
+    script = (
+        "from extensible_kv import ExtensibleTensor\n"
+        "from extensible_kv.kept import leave\n"
+        "t = ExtensibleTensor(16 << 20, 'cpu', num_segments=2, shareable=True,"
+        " chunk_bytes=2 << 20)\n"
+        "t.resize_per_segment_(4 << 20)\n"
+        "print(leave([t], {'model': 'x'}, [[1, 'a']], 120).keeper_pid)\n"
+    )
+    ended = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert ended.returncode == 0, ended.stderr
+    (record,) = kept_caches()  # the pages outlive the program
+    assert record.keeper_pid == int(ended.stdout)
 
 
 def test_the_cli_lists_the_kept_pages_and_drops_them(

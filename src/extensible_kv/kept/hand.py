@@ -10,11 +10,12 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from extensible_kv._checks import check_seconds
 from extensible_kv.budget.state_dir import state_dir
-from extensible_kv.kept.record import KeptCache, kept_caches
+from extensible_kv.kept.record import KeptCache, kept_caches, kept_dir
 from extensible_kv.kept.wire import receive_message, send_message
 from extensible_kv.share import SharedLayout, receive_layout, send_layout
 from extensible_kv.tensor import ExtensibleTensor
@@ -89,8 +90,8 @@ class SpareKeeper:
                 pid = int(receive_message(self._sock)["keeper_pid"])
         except (OSError, ValueError, KeyError) as exc:
             raise RuntimeError(
-                f"keeper {self.pid} did not take the pages ({exc}); its error, if any, is on "
-                f"the stderr of the process that started it"
+                f"keeper {self.pid} did not take the pages ({exc}); its error, if any, is in "
+                f"{keepers_log()}"
             ) from exc
         found = [r for r in kept_caches() if r.keeper_pid == pid]
         if not found:
@@ -102,18 +103,27 @@ class SpareKeeper:
         self._sock.close()
 
 
+def keepers_log() -> Path:
+    """The file keepers write their errors to (appended, one for all)."""
+    return kept_dir() / "keepers.log"
+
+
 def start_keeper() -> SpareKeeper:
     """Start a keeper process, out of this process's tree, idle until pages
     come (:meth:`SpareKeeper.leave`). Returns once it is ready to take them.
     RuntimeError if it did not start within :data:`START_S` seconds."""
     ours, theirs = socket.socketpair()
-    with theirs:
+    # Not this process's stderr: the keeper outlives it, and a pipe it held
+    # open would keep whoever reads this process's output (a shell's `| tee`,
+    # a parent's subprocess.run) waiting until the pages go.
+    with theirs, keepers_log().open("ab") as log:
         ours.settimeout(START_S)
         starter = subprocess.Popen(
             [sys.executable, "-m", "extensible_kv.kept.keeper", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
+            stderr=log,
             start_new_session=True,
             env={**os.environ, "EXTENSIBLE_KV_STATE_DIR": str(state_dir())},
         )
