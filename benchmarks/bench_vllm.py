@@ -3,6 +3,7 @@
     nox -s vllm -- --bench            # or, where vLLM is installed:
     python benchmarks/bench_vllm.py --rounds 3 --out bench-results/vllm.json
     python benchmarks/bench_vllm.py --only several --out bench-results/several.json
+    python benchmarks/bench_vllm.py --only restart --out bench-results/restart.json
 
 The ``vllm`` suite of ``extensible-kv bench`` (``extensible_kv.bench.engine``),
 on its own: stock vLLM, ours with static growth and ours with memory that
@@ -15,8 +16,11 @@ plot beside the JSON as ``elastic-memory.png``); then the ``several`` case
 (two OpenAI servers taking turns at bursts under one limit, against a
 static split of it; ``several-memory.png``; and three servers replaying
 slices of the Azure LLM inference trace 2023 against the even and the best
-static split, ``several-trace.png``). ``--only several`` runs that case
-alone. The table gives
+static split, ``several-trace.png``); then the ``restart`` case (time to
+first token of prefix-sharing requests right after a restart that keeps
+the prefix cache, against stock vLLM cold and warm; vLLM's offloading
+connector is tried and its refusal reported). ``--only several`` or
+``--only restart`` runs that case alone. The table gives
 median [min-max] over the rounds and ours over stock as ratios paired by
 round (decode: by pass), median [interval]; the JSON
 holds every run and each kind's resident-memory timeline, which
@@ -30,7 +34,7 @@ import argparse
 import json
 from pathlib import Path
 
-from extensible_kv.bench import child, elastic, engine, several, trace
+from extensible_kv.bench import child, elastic, engine, restart, several, trace
 from extensible_kv.bench.measure import MiB
 
 
@@ -40,28 +44,32 @@ def main() -> None:
     parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size (default 512)")
     parser.add_argument("--out", type=Path, help="write the results and the table as JSON here")
     parser.add_argument(
-        "--only", choices=["several"], help="run this case alone (default: the whole suite)"
+        "--only",
+        choices=["several", "restart"],
+        help="run this case alone (default: the whole suite)",
     )
     parser.add_argument(
         "--skip",
-        choices=["elastic", "several"],
+        choices=["elastic", "several", "restart"],
         action="append",
         default=[],
-        help="leave this case out (repeat for both)",
+        help="leave this case out (repeat for more)",
     )
     args = parser.parse_args()
-    if args.only == "several":
+    if args.only is not None:
         why = child.unavailable()
         if why is not None:
             raise SystemExit(why)
-        alone = several.case(args.rounds, lambda step: print(step, flush=True))
-        text = "several case\n\n" + several.markdown(alone)
+        case = {"several": several, "restart": restart}[args.only]
+        alone = case.case(args.rounds, lambda step: print(step, flush=True))
+        text = f"{args.only} case\n\n" + case.markdown(alone)
         print(text)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"several": alone, "table": text}, indent=2))
-            several.plot(alone, args.out.with_name("several-memory.png"))
-            trace.plot(alone["trace"], args.out.with_name("several-trace.png"))
+            args.out.write_text(json.dumps({args.only: alone, "table": text}, indent=2))
+            if args.only == "several":
+                several.plot(alone, args.out.with_name("several-memory.png"))
+                trace.plot(alone["trace"], args.out.with_name("several-trace.png"))
         return
     results = engine.suite(
         args.rounds, args.kv_mib * MiB, lambda step: print(step, flush=True), args.skip
@@ -69,7 +77,7 @@ def main() -> None:
     if "skipped" in results:
         raise SystemExit(results["skipped"])
     text = engine.markdown(results)
-    for name, case in (("elastic", elastic), ("several", several)):
+    for name, case in (("elastic", elastic), ("several", several), ("restart", restart)):
         if name in results:
             text += f"\n\n{name} case\n\n" + case.markdown(results[name])
     print(text)

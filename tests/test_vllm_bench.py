@@ -6,7 +6,9 @@ vllm`` (it takes about seven minutes of the engine users' command): CI runs
 it beside it, ``nox -s vllm -- tests/test_vllm_bench.py``. The ``several``
 case is left out here (``--skip several``: three more minutes); its servers,
 streams and plot run in the example's test (``tests/test_vllm_engine.py``)
-and its figures' arithmetic in ``tests/test_bench.py``."""
+and its figures' arithmetic in ``tests/test_bench.py``. The ``restart``
+case is left out too (``--skip restart``): ``tests/test_vllm_restart.py``
+runs it alone."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def test_the_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     result = subprocess.run(
         [
             *(sys.executable, str(bench), "--rounds", "1", "--kv-mib", "64"),
-            *("--skip", "several", "--out", str(out)),
+            *("--skip", "several", "--skip", "restart", "--out", str(out)),
         ],
         capture_output=True,
         text=True,

@@ -2,11 +2,20 @@
 ``keep_prefix_cache_s``): an ``LLM`` program serves prefix-heavy prompts
 and ends as a script ends; its KV pages outlive it in a keeper process;
 the same program started again adopts them, and its first requests are
-served from the prefix cache with stock vLLM's tokens. Real programs, a
+served from the prefix cache with stock vLLM's tokens; another model or
+block size adopts nothing and the pages go back; under a limit each page
+is counted once; a killed keeper leaves nothing held. Real programs, a
 real keeper. Runs in ``nox -s vllm``."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,18 +23,45 @@ import pytest
 pytest.importorskip("vllm")
 
 from extensible_kv.bench.child import prompt
+from extensible_kv.budget import Ledger
+from extensible_kv.budget.snapshot import snapshot
 from extensible_kv.demo.tiny_models import save_tiny_model
 from extensible_kv.kept import drop, kept_caches
 from vllm_program import Program
 
 PROMPTS = [prompt(2000 + i, 300) for i in range(4)]
 NEW_TOKENS = 16
+MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("restart") / "llama"
     return str(save_tiny_model("llama", folder, num_kv_heads=16))
+
+
+@pytest.fixture(scope="module")
+def stock(model: str) -> tuple[list[list[int]], list[int]]:
+    """Stock vLLM's tokens for :data:`PROMPTS`, and its prefix-cache hits
+    (tokens) when it serves them again, warm."""
+    program = Program({"model": model, "multiprocessing": True, "stock": True}, {})
+    try:
+        tokens = program.generate(PROMPTS, NEW_TOKENS)
+        _, warm = program.generate_counting(PROMPTS, NEW_TOKENS)
+    finally:
+        program.stop()
+    assert sum(warm) > 0
+    return tokens, warm
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """A state folder of the test's own, for this process and the programs
+    (their environment); the kept pages left in it dropped after."""
+    monkeypatch.setenv("EXTENSIBLE_KV_STATE_DIR", str(tmp_path))
+    yield {"EXTENSIBLE_KV_STATE_DIR": str(tmp_path)}
+    for record in kept_caches():
+        drop(record.keeper_pid)
 
 
 def kept_program(model: str, block_size: int = 32) -> dict[str, object]:
@@ -38,56 +74,184 @@ def kept_program(model: str, block_size: int = 32) -> dict[str, object]:
     }
 
 
+def served_and_closed(settings: dict[str, object], env: dict[str, str]) -> list[list[int]]:
+    """A program of ``settings`` serves :data:`PROMPTS` and ends as a script
+    ends; its tokens."""
+    program = Program(settings, env)
+    try:
+        tokens = program.generate(PROMPTS, NEW_TOKENS)
+        assert program.close() == 0
+    finally:
+        program.stop()
+    return tokens
+
+
+def set_limit(state: dict[str, str], nbytes: int) -> None:
+    """``extensible-kv limit cpu`` in the programs' state folder."""
+    limit = subprocess.run(
+        [str(Path(sys.executable).parent / "extensible-kv"), "limit", "cpu", f"{nbytes}B"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **state},
+    )
+    assert limit.returncode == 0, limit.stderr
+
+
+def claimed(state_dir: str) -> dict[int, int]:
+    """Bytes each process claims on the device, by pid."""
+    return {
+        p["pid"]: p["claimed_bytes"]
+        for d in snapshot(Path(state_dir))["devices"]
+        for p in d["processes"]
+        if p["claimed_bytes"]
+    }
+
+
+def until(done: Callable[[], object], what: str, seconds: float = 20) -> None:
+    """Wait for ``done()`` to be true, at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def test_a_restarted_program_serves_its_first_requests_from_the_kept_prefix_cache(
-    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model: str, stock: tuple[list[list[int]], list[int]], state: dict[str, str]
 ) -> None:
-    monkeypatch.setenv("EXTENSIBLE_KV_STATE_DIR", str(tmp_path))
-    env = {"EXTENSIBLE_KV_STATE_DIR": str(tmp_path)}
-    stock = Program({"model": model, "multiprocessing": True, "stock": True}, env)
+    tokens, warm = stock
+    assert served_and_closed(kept_program(model), state) == tokens
+    (kept,) = kept_caches()
+    assert kept.blocks, "the scheduler named the pages"
+    second = Program(kept_program(model), state)
     try:
-        tokens = stock.generate(PROMPTS, NEW_TOKENS)
-        _, warm = stock.generate_counting(PROMPTS, NEW_TOKENS)
+        again, hits = second.generate_counting(PROMPTS, NEW_TOKENS)
     finally:
-        stock.stop()
-    assert sum(warm) > 0
-    first = Program(kept_program(model), env)
-    try:
-        assert first.generate(PROMPTS, NEW_TOKENS) == tokens
-        assert first.close() == 0
-        (kept,) = kept_caches()
-        assert kept.blocks, "the scheduler named the pages"
-        second = Program(kept_program(model), env)
-        try:
-            again, hits = second.generate_counting(PROMPTS, NEW_TOKENS)
-        finally:
-            second.stop()
-    finally:
-        first.stop()
-        for record in kept_caches():
-            drop(record.keeper_pid)
+        second.stop()
     assert again == tokens
     assert sum(hits) >= 0.9 * sum(warm), (hits, warm)
 
 
-def test_a_restart_with_another_block_size_adopts_nothing_and_gives_the_pages_back(
-    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("other", ["block size", "model"])
+def test_a_restart_with_another_fingerprint_adopts_nothing_and_gives_the_pages_back(
+    model: str,
+    stock: tuple[list[list[int]], list[int]],
+    state: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+    other: str,
 ) -> None:
-    monkeypatch.setenv("EXTENSIBLE_KV_STATE_DIR", str(tmp_path))
-    env = {"EXTENSIBLE_KV_STATE_DIR": str(tmp_path)}
-    first = Program(kept_program(model), env)
-    try:
-        tokens = first.generate(PROMPTS, NEW_TOKENS)
-        assert first.close() == 0
-        (kept,) = kept_caches()
-        other = Program(kept_program(model, block_size=64), env)
+    """The same model with another block size can never adopt the pages,
+    and gives them back at once. An engine of another model adopts nothing
+    and leaves them be (they may be another engine's, to restart) until a
+    process wants the memory they hold: here a claim under a limit the
+    pages fill."""
+    tokens, _ = stock
+    assert served_and_closed(kept_program(model), state) == tokens
+    (kept,) = kept_caches()
+    if other == "block size":
+        settings, expected = kept_program(model, block_size=64), tokens  # the same tokens
+    else:
+        folder = tmp_path_factory.mktemp("other") / "qwen3"
+        qwen = str(save_tiny_model("qwen3", folder, num_kv_heads=16))
+        reference = Program({"model": qwen, "multiprocessing": True, "stock": True}, {})
         try:
-            again, hits = other.generate_counting(PROMPTS, NEW_TOKENS)
-            assert kept.keeper_pid not in {r.keeper_pid for r in kept_caches()}
+            expected = reference.generate(PROMPTS, NEW_TOKENS)
         finally:
-            other.stop()
+            reference.stop()
+        settings = kept_program(qwen)
+    program = Program(settings, state)
+    try:
+        again, hits = program.generate_counting(PROMPTS, NEW_TOKENS)
+        if other == "block size":
+            assert kept_caches() == []
+        else:
+            assert kept_caches() == [kept]
     finally:
-        first.stop()
-        for record in kept_caches():
-            drop(record.keeper_pid)
-    assert again == tokens  # block size changes no token
+        program.stop()
+    assert again == expected
     assert hits == [0] * len(PROMPTS)
+    if other == "model":
+        want_what_the_pages_hold(state, kept.nbytes)
+        until(lambda: not kept_caches(), "the keeper gave way but kept its record")
+
+
+def want_what_the_pages_hold(state: dict[str, str], nbytes: int) -> None:
+    """Under a limit of the kept pages' ``nbytes``, claim as much from this
+    process, waiting for room (a want): granted once the keeper gave way
+    (a process that ended, the engine's, holds nothing)."""
+    (device,) = snapshot(Path(state["EXTENSIBLE_KV_STATE_DIR"]))["devices"]
+    ledger = Ledger(Path(state["EXTENSIBLE_KV_STATE_DIR"]), device["device"])
+    try:
+        ledger.set_limit(nbytes)
+        ledger.claim(nbytes, timeout_s=20)
+        ledger.give_back(nbytes)
+    finally:
+        ledger.close()
+
+
+def test_under_a_limit_each_kept_page_counts_once_and_a_killed_keeper_leaves_nothing(
+    model: str, stock: tuple[list[list[int]], list[int]], state: dict[str, str]
+) -> None:
+    """The keeper's claim is the pages' bytes; the engine that adopts them
+    claims them instead, never both at once in the ledger's total; the
+    keeper of the next stop, killed, leaves no claim and no record, and the
+    engine started after adopts nothing."""
+    tokens, _ = stock
+    set_limit(state, 96 * MiB)
+    state_dir = state["EXTENSIBLE_KV_STATE_DIR"]
+    assert served_and_closed(kept_program(model), state) == tokens
+    (kept,) = kept_caches()
+    assert claimed(state_dir) == {kept.keeper_pid: kept.nbytes}
+    second = Program(kept_program(model), state)
+    try:
+        until(lambda: not kept_caches(), "the keeper outlived the adoption")
+        family = second.family()
+        held = second.ask({"op": "state"})["state"]["physical_bytes"]
+        claims = claimed(state_dir)
+        assert set(claims) <= set(family), (claims, family)
+        assert sum(claims.values()) == held >= kept.nbytes  # the adopted pages, once
+        again, hits = second.generate_counting(PROMPTS, NEW_TOKENS)
+        assert second.close() == 0
+    finally:
+        second.stop()
+    assert again == tokens
+    assert sum(hits) > 0
+    (left,) = kept_caches()
+    os.kill(left.keeper_pid, signal.SIGKILL)
+    until(lambda: not kept_caches(), "a killed keeper's record stayed")
+    until(lambda: not claimed(state_dir), "a killed keeper's claim stayed")
+    third = Program(kept_program(model), state)
+    try:
+        last, hits = third.generate_counting(PROMPTS, NEW_TOKENS)
+    finally:
+        third.stop()
+    assert last == tokens
+    assert hits == [0] * len(PROMPTS)
+
+
+def test_the_restart_benchmark_runs_side_by_side(tmp_path: Path) -> None:
+    """``bench_vllm.py --only restart``, one round: stock cold and warm, ours
+    restarted, the offloading connector tried; its JSON and table."""
+    from extensible_kv.bench.restart import DOCUMENT_TOKENS, DOCUMENTS
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vllm.py"
+    out = tmp_path / "restart.json"
+    result = subprocess.run(
+        [sys.executable, str(bench), "--only", "restart", "--rounds", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    saved = json.loads(out.read_text())["restart"]
+    (stock,), (ours,) = saved["runs"]["stock"], saved["runs"]["ours"]
+    every_document = DOCUMENTS * DOCUMENT_TOKENS
+    # Stock's first requests miss, its second ones hit every document;
+    # ours hit them from the first request after the restart.
+    assert (stock["first_hits"], stock["warm_hits"]) == (0, every_document)
+    assert (ours["first_hits"], ours["warm_hits"]) == (every_document, every_document)
+    assert len(ours["first_ttft_s"]) == len(stock["warm_ttft_s"]) == DOCUMENTS
+    ratio = saved["ratios"]["ours after a restart / stock warm"]
+    assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert "only supported on CUDA" in saved["connector"]["refused"]  # vLLM 0.32's CPU build
+    assert "| ours after a restart / stock warm |" in result.stdout

@@ -15,10 +15,12 @@ with an engine of each kind alive at once and short passes alternated
 (:mod:`extensible_kv.bench.decode`). :func:`goals` says which of the
 project's goals the figures settle (:mod:`extensible_kv.bench.ratios`).
 Then the ``elastic`` case (:mod:`extensible_kv.bench.elastic`): a bursty
-day on stock, static and elastic growth; and the ``several`` case
+day on stock, static and elastic growth; the ``several`` case
 (:mod:`extensible_kv.bench.several`): two servers taking turns at bursts
-under one limit, against a static split of it. Runs only where vLLM is
-installed.
+under one limit, against a static split of it; and the ``restart`` case
+(:mod:`extensible_kv.bench.restart`): the first requests after a restart
+that keeps the prefix cache, against stock started cold and stock warm.
+Runs only where vLLM is installed.
 
 This module alone runs the cases; what they share is in
 :mod:`extensible_kv.bench.child`.
@@ -32,7 +34,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.bench import decode, elastic, lifecycle, several
+from extensible_kv.bench import decode, elastic, lifecycle, restart, several
 from extensible_kv.bench.child import KINDS, child_figures, markdown_table, unavailable
 from extensible_kv.bench.ratios import decided, paired_ratios, ratio_figures, spread
 
@@ -86,7 +88,7 @@ def suite(
     skip: Collection[str] = (),
 ) -> dict[str, Any]:
     """Every kind, ``rounds`` times, in turn, then the cases not in ``skip``
-    (``"elastic"``, ``"several"``); or ``{"skipped": why}``."""
+    (``"elastic"``, ``"several"``, ``"restart"``); or ``{"skipped": why}``."""
     why = unavailable()
     if why is not None:
         return {"skipped": why}
@@ -110,7 +112,7 @@ def suite(
                 starts[kind].append(start["start_s"])
     duel = decode.decode_case(model, list(KINDS), kv_bytes, decode.passes_for(rounds), progress)
     stats, paired = _summaries(runs, starts, duel)
-    cases = {"elastic": elastic.case, "several": several.case}
+    cases = {"elastic": elastic.case, "several": several.case, "restart": restart.case}
     return {
         "kv_bytes": kv_bytes,
         "rounds": rounds,

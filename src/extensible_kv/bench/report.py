@@ -175,6 +175,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
         out.append(several_table(results["vllm"]["several"]))
         if "trace" in results["vllm"]["several"]:
             out.append(trace_table(results["vllm"]["several"]["trace"]))
+    if "restart" in results.get("vllm", {}):
+        out.append(restart_table(results["vllm"]["restart"]))
     if "scheduler" in results:
         out.extend(scheduler_tables(results["scheduler"]))
     out.append(goals(results))
@@ -279,6 +281,20 @@ def trace_table(results: dict[str, Any]) -> Table:
     return _table(
         f"12b. three vLLM servers under one {results['limit_bytes'] // MiB} MiB limit "
         "replaying the Azure LLM inference trace 2023, against static splits: "
+        "median [min-max]",
+        rows(results),
+    )
+
+
+def restart_table(results: dict[str, Any]) -> Table:
+    """The ``restart`` case: the first requests after a restart that keeps
+    the prefix cache, against stock vLLM cold and warm."""
+    from extensible_kv.bench.restart import rows
+
+    return _table(
+        f"12c. vLLM restarted: {results['documents']} documents of "
+        f"{results['document_tokens']} tokens, a question each, one token; ours "
+        f"keeping the prefix cache, stock cold and warm ({results['rounds']} rounds): "
         "median [min-max]",
         rows(results),
     )
