@@ -220,7 +220,7 @@ def summary(runs: dict[str, list[dict[str, Any]]], rounds: int) -> dict[str, Any
         kind: {key: spread(pooled(kind, key)) for key, _ in FIGURES} for kind in ("stock", "ours")
     }
     restart, stock_cold = pooled("ours", "first_ttft_s"), pooled("stock", "first_ttft_s")
-    stock_warm = pooled("stock", "warm_ttft_s")
+    stock_warm, ours_warm = pooled("stock", "warm_ttft_s"), pooled("ours", "warm_ttft_s")
     return {
         "rounds": rounds,
         "documents": DOCUMENTS,
@@ -235,7 +235,9 @@ def summary(runs: dict[str, list[dict[str, Any]]], rounds: int) -> dict[str, Any
         },
         "ratios": {
             "ours after a restart / stock warm": ratio_figures(restart, stock_warm),
+            "ours after a restart / ours warm": ratio_figures(restart, ours_warm),
             "ours after a restart / stock cold": ratio_figures(restart, stock_cold),
+            "ours warm / stock warm": ratio_figures(ours_warm, stock_warm),
             "stock cold / stock warm": ratio_figures(stock_cold, stock_warm),
         },
         "runs": runs,
