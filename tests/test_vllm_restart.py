@@ -98,6 +98,18 @@ def set_limit(state: dict[str, str], nbytes: int) -> None:
     assert limit.returncode == 0, limit.stderr
 
 
+def served_counting(
+    settings: dict[str, object], env: dict[str, str]
+) -> tuple[list[list[int]], list[int]]:
+    """A program of ``settings`` serves :data:`PROMPTS` as its first
+    requests, and is stopped: their tokens and prefix-cache hits (tokens)."""
+    program = Program(settings, env)
+    try:
+        return program.generate_counting(PROMPTS, NEW_TOKENS)
+    finally:
+        program.stop()
+
+
 def claimed(state_dir: str) -> dict[int, int]:
     """Bytes each process claims on the device, by pid."""
     return {
@@ -123,11 +135,7 @@ def test_a_restarted_program_serves_its_first_requests_from_the_kept_prefix_cach
     assert served_and_closed(kept_program(model), state) == tokens
     (kept,) = kept_caches()
     assert kept.blocks, "the scheduler named the pages"
-    second = Program(kept_program(model), state)
-    try:
-        again, hits = second.generate_counting(PROMPTS, NEW_TOKENS)
-    finally:
-        second.stop()
+    again, hits = served_counting(kept_program(model), state)
     assert again == tokens
     assert sum(hits) >= 0.9 * sum(warm), (hits, warm)
 
@@ -220,11 +228,7 @@ def test_under_a_limit_each_kept_page_counts_once_and_a_killed_keeper_leaves_not
     os.kill(left.keeper_pid, signal.SIGKILL)
     until(lambda: not kept_caches(), "a killed keeper's record stayed")
     until(lambda: not claimed(state_dir), "a killed keeper's claim stayed")
-    third = Program(kept_program(model), state)
-    try:
-        last, hits = third.generate_counting(PROMPTS, NEW_TOKENS)
-    finally:
-        third.stop()
+    last, hits = served_counting(kept_program(model), state)
     assert last == tokens
     assert hits == [0] * len(PROMPTS)
 
