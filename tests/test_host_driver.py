@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import signal
 import threading
@@ -153,12 +154,25 @@ def test_commit_is_physically_present_and_release_returns_it(driver: HostDriver)
     assert returned >= 0.9 * size
 
 
-def vma_flags(address: int) -> list[str]:
-    """The ``VmFlags`` of this process's mapping that starts at ``address``."""
+def vma_field(address: int, name: str) -> list[str]:
+    """Field ``name`` of ``/proc/self/smaps`` for this process's mapping
+    that starts at ``address``, split on blanks."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"{address:x}-"))
-    flags = next(line for line in lines[start + 1 :] if line.startswith("VmFlags:"))
-    return flags.split()[1:]
+    field = next(line for line in lines[start + 1 :] if line.startswith(f"{name}:"))
+    return field.split()[1:]
+
+
+def vma_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that starts at ``address``."""
+    return vma_field(address, "VmFlags")
+
+
+def present_bytes(address: int) -> int:
+    """Bytes of the mapping at ``address`` its page tables map (its ``Rss``)."""
+    value, unit = vma_field(address, "Rss")
+    assert unit == "kB"
+    return int(value) * 1024
 
 
 def test_private_memory_follows_the_system_huge_page_policy(
@@ -229,6 +243,61 @@ def test_populate_fallback_writes_pages_present(
     driver.map(reservation, 16 * MiB, handle)
     driver.set_access(reservation, 16 * MiB, 0)
     assert ctypes.string_at(reservation, 16 * MiB) == bytes(16 * MiB)
+
+
+def _shared_with(driver: HostDriver, data: bytes) -> int:
+    """A shareable handle of ``len(data)`` bytes holding ``data``, written
+    through a mapping of its own, unmapped again."""
+    handle = driver.create(len(data), 0, True)
+    fd = driver.export_handle(handle)
+    try:
+        with mmap.mmap(fd, len(data)) as view:
+            view[:] = data
+    finally:
+        os.close(fd)
+    return handle
+
+
+def test_shared_memory_arrives_present_with_its_contents(
+    driver: HostDriver, reservation: int
+) -> None:
+    # A first touch of each 4 KiB page of a fresh MAP_SHARED mapping
+    # faulted alone, in the step that first read it.
+    data = os.urandom(4 * MiB)
+    handle = _shared_with(driver, data)
+    driver.map(reservation, 4 * MiB, handle)
+    assert present_bytes(reservation) == 0
+    driver.set_access(reservation, 4 * MiB, 0)
+    assert present_bytes(reservation) == 4 * MiB
+    assert ctypes.string_at(reservation, 4 * MiB) == data
+
+
+def test_shared_memory_without_populate_keeps_its_contents(
+    driver: HostDriver, reservation: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A kernel before 5.14 writes zeros to make fresh memory present;
+    # shared memory's pages then fault at first touch instead.
+    _failing_populate(monkeypatch, lambda start: errno.EINVAL)
+    data = os.urandom(4 * MiB)
+    driver.map(reservation, 4 * MiB, _shared_with(driver, data))
+    driver.set_access(reservation, 4 * MiB, 0)
+    assert ctypes.string_at(reservation, 4 * MiB) == data
+
+
+def test_shared_memory_failing_to_populate_stays_inaccessible(
+    driver: HostDriver, reservation: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handle = driver.create(4 * MiB, 0, True)
+    driver.map(reservation, 4 * MiB, handle)
+    _failing_populate(monkeypatch, lambda start: errno.ENOMEM)
+    with pytest.raises(OutOfMemoryError, match="ENOMEM") as info:
+        driver.set_access(reservation, 4 * MiB, 0)
+    assert info.value.call == "set_access"
+    assert "rd" not in vma_flags(reservation)
+    assert not driver._mappings[reservation].accessible
+    monkeypatch.undo()
+    driver.set_access(reservation, 4 * MiB, 0)
+    assert present_bytes(reservation) == 4 * MiB
 
 
 def test_memory_running_out_in_one_piece_leaves_nothing(

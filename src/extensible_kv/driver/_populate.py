@@ -13,6 +13,11 @@ smallest that gains, 2 MiB, also splits the few MiB that memory following
 the load commits at a time: 8 MiB took 4.2 ms in 16 MiB pieces and 2.3 ms in
 2 MiB ones, with no size slower (2026-12-04, medians of 9, in one process).
 Older kernels get each piece's pages by writing zeros.
+
+Shared memory (a memfd, see :mod:`extensible_kv.driver.host`) already has
+its pages; what populating it makes present is the mapping's page tables,
+and its contents must stay: there, an older kernel leaves the pages to
+fault at first touch.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from extensible_kv.driver import _libc
 PIECE_BYTES = 2 << 20
 
 
-def populate(ptr: int, size: int) -> None:
-    """Make ``[ptr, ptr + size)`` present: every page faulted in, zeroed.
+def populate(ptr: int, size: int, keep_contents: bool = False) -> None:
+    """Make ``[ptr, ptr + size)`` present: every page faulted in (zeroed
+    where fresh; ``keep_contents``: never written, the pages of shared
+    memory whose contents matter).
 
     The range must be mapped readable and writable. The calling thread works
     on the pieces too, with a helper thread per further core; where no helper
@@ -48,7 +55,7 @@ def populate(ptr: int, size: int) -> None:
             if start is None:
                 return
             try:
-                _populate_piece(start, min(PIECE_BYTES, end - start))
+                _populate_piece(start, min(PIECE_BYTES, end - start), keep_contents)
             except OSError as exc:
                 errors.append(exc)
 
@@ -67,10 +74,11 @@ def populate(ptr: int, size: int) -> None:
         raise errors[0]
 
 
-def _populate_piece(start: int, size: int) -> None:
+def _populate_piece(start: int, size: int, keep_contents: bool) -> None:
     try:
         _libc.madvise(start, size, _libc.MADV_POPULATE_WRITE)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        _libc.memset_zero(start, size)
+        if not keep_contents:
+            _libc.memset_zero(start, size)

@@ -431,8 +431,33 @@ class HostDriver(Backend):
                 _libc.mprotect(ptr, size, _libc.PROT_READ_WRITE)
             except OSError as exc:
                 raise _from_os("set_access", exc) from None
+            try:
+                self._populate_shared(starts)
+            except OSError as exc:
+                for start in starts:
+                    if not self._mappings[start].accessible:
+                        _libc.mprotect(start, self._mappings[start].size, _libc.PROT_NONE)
+                raise _from_os("set_access", exc) from None
             for start in starts:
                 self._mappings[start].accessible = True
+
+    def _populate_shared(self, starts: Sequence[int]) -> None:
+        """Fill the page tables of the shared mappings at ``starts``.
+
+        A memfd's pages exist from ``create`` on, but a new ``MAP_SHARED``
+        mapping of them has no page tables, and the shared memory of this
+        system's policy is 4 KiB pages (``shmem_enabled``: never): each
+        first touch faulted alone, in whichever step first read the memory:
+        after a restart, the first request to a kept document (28 MiB of
+        blocks in the restart case of docs/performance.md). Reading a
+        fresh 28 MiB mapping took 15-20 ms of faults, populating it 5-7 ms
+        (2026-12-06, this VM), and here that happens before the mapping is
+        used. Private memory arrives populated (:meth:`_create_private`),
+        and a GPU mapping never faults."""
+        for start in starts:
+            mapping = self._mappings[start]
+            if mapping.allocation.fd is not None:
+                _populate.populate(start, mapping.size, keep_contents=True)
 
     def export_handle(self, handle: int) -> int:
         with self._lock:
