@@ -2,6 +2,7 @@
 
     nox -s vllm -- --bench            # or, where vLLM is installed:
     python benchmarks/bench_vllm.py --rounds 3 --out bench-results/vllm.json
+    python benchmarks/bench_vllm.py --only elastic --out bench-results/elastic.json
     python benchmarks/bench_vllm.py --only several --out bench-results/several.json
     python benchmarks/bench_vllm.py --only restart --out bench-results/restart.json
 
@@ -19,8 +20,8 @@ slices of the Azure LLM inference trace 2023 against the even and the best
 static split, ``several-trace.png``); then the ``restart`` case (time to
 first token of prefix-sharing requests right after a restart that keeps
 the prefix cache, against stock vLLM cold and warm; vLLM's offloading
-connector is tried and its refusal reported). ``--only several`` or
-``--only restart`` runs that case alone. The table gives
+connector is tried and its refusal reported). ``--only elastic``,
+``--only several`` or ``--only restart`` runs that case alone. The table gives
 median [min-max] over the rounds and ours over stock as ratios paired by
 round (decode: by pass), median [interval]; the JSON
 holds every run and each kind's resident-memory timeline, which
@@ -45,7 +46,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results and the table as JSON here")
     parser.add_argument(
         "--only",
-        choices=["several", "restart"],
+        choices=["elastic", "several", "restart"],
         help="run this case alone (default: the whole suite)",
     )
     parser.add_argument(
@@ -60,13 +61,15 @@ def main() -> None:
         why = child.unavailable()
         if why is not None:
             raise SystemExit(why)
-        case = {"several": several, "restart": restart}[args.only]
+        case = {"elastic": elastic, "several": several, "restart": restart}[args.only]
         alone = case.case(args.rounds, lambda step: print(step, flush=True))
         text = f"{args.only} case\n\n" + case.markdown(alone)
         print(text)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({args.only: alone, "table": text}, indent=2))
+            if args.only == "elastic":
+                elastic.plot(alone, args.out.with_name("elastic-memory.png"))
             if args.only == "several":
                 several.plot(alone, args.out.with_name("several-memory.png"))
                 trace.plot(alone["trace"], args.out.with_name("several-trace.png"))

@@ -64,13 +64,14 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str,
         drop(record.keeper_pid)
 
 
-def kept_program(model: str, block_size: int = 32) -> dict[str, object]:
+def kept_program(model: str, block_size: int = 32, tp: int = 1) -> dict[str, object]:
     config = {"extensible_kv": {"growth": "elastic", "keep_prefix_cache_s": 120}}
     return {
         "model": model,
         "multiprocessing": True,
         "additional_config": config,
         "block_size": block_size,
+        "tp": tp,
     }
 
 
@@ -128,16 +129,22 @@ def until(done: Callable[[], object], what: str, seconds: float = 20) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_a_restarted_program_serves_its_first_requests_from_the_kept_prefix_cache(
-    model: str, stock: tuple[list[list[int]], list[int]], state: dict[str, str]
+    model: str, stock: tuple[list[list[int]], list[int]], state: dict[str, str], tp: int
 ) -> None:
+    """With ``tp`` tensor-parallel ranks, each keeping its own pages (the
+    stock reference runs on one: these fp32 models give the same tokens)."""
     tokens, warm = stock
-    assert served_and_closed(kept_program(model), state) == tokens
-    (kept,) = kept_caches()
-    assert kept.blocks, "the scheduler named the pages"
-    again, hits = served_counting(kept_program(model), state)
+    assert served_and_closed(kept_program(model, tp=tp), state) == tokens
+    kept = kept_caches()
+    assert sorted(record.fingerprint["rank"] for record in kept) == list(range(tp))
+    assert all(record.blocks == kept[0].blocks for record in kept), "every rank named alike"
+    assert kept[0].blocks, "the scheduler named the pages"
+    again, hits = served_counting(kept_program(model, tp=tp), state)
     assert again == tokens
     assert sum(hits) >= 0.9 * sum(warm), (hits, warm)
+    until(lambda: not kept_caches(), "every rank adopted its pages and its keeper went")
 
 
 @pytest.mark.parametrize("other", ["block size", "model"])
