@@ -6,6 +6,7 @@ Real keeper processes on the host backend's memfd pages."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -260,6 +261,49 @@ def test_pages_left_unnamed_are_adopted_only_once_named_by_their_owner(
     assert adopted.blocks == BLOCKS
     assert not name(record, BLOCKS)  # the keeper has gone
     target.free()
+
+
+def until_true(done: Any, what: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_pages_left_unnamed_go_back_once_the_process_to_name_them_exits_first(
+    budget: BudgetDriver,
+) -> None:
+    """The engine whose scheduler names the pages killed before it did (a
+    server's second signal as it stops): nobody else can name them, so
+    they go back at once, not after ``keep_s``. Named, they outlive it."""
+    source = tensor(budget)
+    source.resize_per_segment_(2 * MiB)
+    namer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        leave([source], FINGERPRINT, None, 600, namer_pid=namer.pid)
+        (unnamed,) = kept_caches()
+        namer.kill()
+        namer.wait(10)
+        until_true(lambda: not kept_caches(), "unnamed pages outlived their namer")
+        until_true(lambda: unnamed.keeper_pid not in claims(budget), "unnamed pages claimed")
+        namer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        leave([source], FINGERPRINT, None, 600, namer_pid=namer.pid)
+        (listed,) = kept_caches()
+        assert name(listed, BLOCKS)
+        namer.kill()
+        namer.wait(10)
+        time.sleep(0.5)  # the keeper looks every 0.25 s
+        assert [record.blocks for record in kept_caches()] == [BLOCKS]
+        drop(listed.keeper_pid)
+        # A namer gone already: the keeper gives the pages back at its first
+        # look, maybe before the leaver finds its record ("gone already").
+        with contextlib.suppress(RuntimeError):
+            leave([source], FINGERPRINT, None, 600, namer_pid=namer.pid)
+        until_true(lambda: not kept_caches(), "pages left to a namer gone already stayed")
+    finally:
+        namer.kill()
+        namer.wait(10)
+        source.free()
 
 
 def gone(pid: int) -> bool:

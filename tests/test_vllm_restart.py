@@ -28,6 +28,7 @@ from extensible_kv.budget.snapshot import snapshot
 from extensible_kv.demo.tiny_models import save_tiny_model
 from extensible_kv.kept import drop, kept_caches
 from vllm_program import Program
+from vllm_server import SCHEDULER, WORKER, Server
 
 PROMPTS = [prompt(2000 + i, 300) for i in range(4)]
 NEW_TOKENS = 16
@@ -145,6 +146,64 @@ def test_a_restarted_program_serves_its_first_requests_from_the_kept_prefix_cach
     assert again == tokens
     assert sum(hits) >= 0.9 * sum(warm), (hits, warm)
     until(lambda: not kept_caches(), "every rank adopted its pages and its keeper went")
+
+
+def kept_server(model: str, state: dict[str, str], shutdown_timeout: int = 10) -> Server:
+    """An OpenAI server with :func:`kept_program`'s options (not waited for)."""
+    config = {"extensible_kv": {"growth": "elastic", "keep_prefix_cache_s": 120}}
+    flags = ["--worker-cls", WORKER, "--scheduler-cls", SCHEDULER]
+    flags += ["--additional-config", json.dumps(config), "--enable-prompt-tokens-details"]
+    return Server(model, [*flags, "--shutdown-timeout", str(shutdown_timeout)], state)
+
+
+def test_a_server_that_would_kill_its_engine_at_its_stop_is_refused(
+    model: str, state: dict[str, str]
+) -> None:
+    """vLLM's server with ``--shutdown-timeout 0``, its default, kills its
+    engine at once at its stop: nothing could be kept, and it says so."""
+    server = kept_server(model, state, shutdown_timeout=0)
+    try:
+        assert server.wait_exit(300) != 0
+        message = "kills its engine at once when it stops, and nothing would be kept; start it"
+        assert message in server.stderr(), server.stderr()[-4000:]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "stop",
+    ["SIGTERM to the server", "SIGTERM to its process group", "SIGINT to its process group"],
+)
+def test_a_restarted_server_serves_its_first_requests_from_the_kept_prefix_cache(
+    model: str, stock: tuple[list[list[int]], list[int]], state: dict[str, str], stop: str
+) -> None:
+    """An OpenAI server stopped as a container's stop or ``kill`` stops it
+    (SIGTERM to the server alone), as systemd's default stop does (SIGTERM
+    to every process at once) or as Ctrl-C in a terminal does (SIGINT to
+    every process of the group, workers included), keeps its prefix cache;
+    started again, its first requests hit it, with stock's tokens. (With
+    a signal to the group, the server's own SIGTERM to its engine kills
+    it before its scheduler names the pages: the keepers take the names
+    the scheduler wrote as its loop stopped.)"""
+    tokens, warm = stock
+    server = kept_server(model, state).wait_healthy()
+    try:
+        assert server.complete(PROMPTS, NEW_TOKENS) == tokens
+        sent = signal.SIGINT if stop.startswith("SIGINT") else signal.SIGTERM
+        (os.killpg if stop.endswith("group") else os.kill)(server.process.pid, sent)
+        assert server.wait_exit(60) == 0, server.stderr()[-4000:]
+    finally:
+        server.stop()
+    until(lambda: any(record.blocks for record in kept_caches()), "no pages kept and named")
+    server = kept_server(model, state).wait_healthy()
+    try:
+        # One prompt a request: a completion's usage counts its last prompt's hits.
+        answers = [server.completion([prompt], NEW_TOKENS) for prompt in PROMPTS]
+    finally:
+        server.stop()
+    assert [a["choices"][0]["token_ids"] for a in answers] == tokens
+    hits = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+    assert sum(hits) >= 0.9 * sum(warm), (hits, warm)
 
 
 @pytest.mark.parametrize("other", ["block size", "model"])

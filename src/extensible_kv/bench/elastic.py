@@ -13,7 +13,8 @@ sharing a 64-token prefix. Each engine reports:
 - the KV memory held after each round (ours: ``extensible_kv_state``; stock
   holds its pool whole), beside the bytes the round's requests need;
 - the time from the last round's end to the memory being back at its floor
-  (unit 0 plus ``cache_bytes``), and the idle memory over that floor;
+  (unit 0 plus ``cache_bytes``), and the idle memory over that floor (after
+  the engine's linger);
 - decode tokens/s (8 sequences of 128 new tokens) and time to first token
   (4 new prompts, one token, after an idle second), medians of 5;
 - prefix-cache hits over the trace (tokens served from the cache).
@@ -164,6 +165,11 @@ def child(model: str, kind: str) -> dict[str, Any]:
         start = time.perf_counter()
         generate([prompt(7000 + repeat * 4 + i, 200) for i in range(4)], 1)
         ttft.append(time.perf_counter() - start)
+    from extensible_kv.integrations.vllm.scheduler.scheduler import LINGER_S
+
+    # Idle is after the linger: through it, an elastic engine keeps the
+    # blocks ahead of its last step for a request that comes right after.
+    time.sleep(LINGER_S + 1.0)
     idle = held()
     return {
         "decode_tok_s": statistics.median(decode),

@@ -45,6 +45,8 @@ class SpareKeeper:
         keep_s: float,
         *,
         owner: Any = None,
+        namer_pid: int | None = None,
+        names_path: str | None = None,
     ) -> KeptCache:
         """Hand the memory mapped in ``tensors`` (made ``shareable``) to
         this keeper, which holds it for ``keep_s`` seconds or until an
@@ -52,7 +54,11 @@ class SpareKeeper:
         ``blocks`` (JSON: what names the pages, ``[block id, hash]`` each)
         goes with it. With ``blocks`` None the pages are named later
         (:func:`name`, by whoever knows the names, finding the keeper by
-        ``owner``, JSON): until then nobody adopts them. The tensors stay
+        ``owner``, JSON): until then nobody adopts them. Where ``namer_pid``
+        is the process that will name them and it exits first, the keeper
+        names them from the file ``names_path`` (a JSON list as ``blocks``)
+        if the namer wrote one, else gives them back at once (nobody else
+        could name them). The tensors stay
         the caller's: free them after (the pages live on in the keeper).
         Returns the keeper's record; the keeper takes pages once.
 
@@ -64,7 +70,14 @@ class SpareKeeper:
         """
         if check_seconds("keep_s", keep_s) <= 0 or keep_s == float("inf"):
             raise ValueError(f"keep_s must be a positive, finite number of seconds, got {keep_s!r}")
-        header = {"fingerprint": fingerprint, "blocks": blocks, "owner": owner, "keep_s": keep_s}
+        header = {
+            "fingerprint": fingerprint,
+            "blocks": blocks,
+            "owner": owner,
+            "keep_s": keep_s,
+            "namer_pid": namer_pid,
+            "names_path": names_path,
+        }
         try:
             json.dumps(header)
         except (TypeError, ValueError) as exc:
@@ -95,7 +108,9 @@ class SpareKeeper:
             ) from exc
         found = [r for r in kept_caches() if r.keeper_pid == pid]
         if not found:
-            raise RuntimeError(f"keeper {pid} took the pages but has gone already")
+            raise RuntimeError(
+                f"keeper {pid} took the pages but has gone already; why is in {keepers_log()}"
+            )
         return found[0]
 
     def close(self) -> None:
@@ -144,11 +159,21 @@ def leave(
     keep_s: float,
     *,
     owner: Any = None,
+    namer_pid: int | None = None,
+    names_path: str | None = None,
 ) -> KeptCache:
     """:func:`start_keeper`, then :meth:`SpareKeeper.leave` (see there)."""
     spare = start_keeper()
     try:
-        return spare.leave(tensors, fingerprint, blocks, keep_s, owner=owner)
+        return spare.leave(
+            tensors,
+            fingerprint,
+            blocks,
+            keep_s,
+            owner=owner,
+            namer_pid=namer_pid,
+            names_path=names_path,
+        )
     finally:
         spare.close()
 

@@ -10,7 +10,8 @@ backend (a handle keeps the memory alive on every driver; a bare
 descriptor need not), claims them in the device's budget, publishes its
 record and serves its socket until a taker with the same fingerprint
 adopts the pages, someone drops them, another process on the device wants
-memory the budget refused it, or ``keep_s`` seconds pass. Then it
+memory the budget refused it, the process that was to name them exits
+before it did and left no file of names, or ``keep_s`` seconds pass. Then it
 releases the handles and gives the claim back. Killed, it leaves nothing:
 its descriptors and handles go with it, and the budget forgets a dead
 process's claim.
@@ -19,6 +20,7 @@ process's claim.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import select
 import socket
@@ -54,11 +56,23 @@ class _Held:
 
 
 class Keeper:
-    def __init__(self, driver: Driver, record: KeptCache, held: list[_Held]) -> None:
+    def __init__(
+        self,
+        driver: Driver,
+        record: KeptCache,
+        held: list[_Held],
+        namer: int | None = None,
+        names_path: str | None = None,
+    ) -> None:
         self.driver = driver
         self.record = record
         self.held = held
         self.ledger = Ledger(state_dir(), record.device_uuid)
+        #: A pidfd of the process that is to name the pages (None: none
+        #: named, or they are named): readable once it has exited.
+        self.namer = namer
+        #: Where the namer may have written the names before it exited.
+        self.names_path = names_path
 
     @classmethod
     def receive(cls, sock: socket.socket) -> Keeper:
@@ -87,7 +101,8 @@ class Keeper:
             device_uuid=held[0].layout.device_uuid,
             until=time.time() + float(header["keep_s"]),
         )
-        keeper = cls(driver, record, held)
+        namer = _watch(header.get("namer_pid"), record)
+        keeper = cls(driver, record, held, namer, header.get("names_path"))
         # The memory exists already: counted now, and by the leaver too
         # until it frees its cache (never under, at most twice for that while).
         keeper.ledger.claim_unchecked(record.nbytes)
@@ -116,7 +131,15 @@ class Keeper:
     def serve(self, listener: socket.socket) -> None:
         """Answer takers and droppers until the pages go."""
         while (left := self.record.until - time.time()) > 0:
-            ready, _, _ = select.select([listener], [], [], min(left, LOOK_EVERY_S))
+            watched = [listener.fileno()] + ([] if self.namer is None else [self.namer])
+            ready, _, _ = select.select(watched, [], [], min(left, LOOK_EVERY_S))
+            if self.namer is not None and self.namer in ready and not self._name_from_file():
+                print(
+                    "extensible-kv keeper: the process that was to name the pages exited "
+                    "first and left no names; they are given back",
+                    file=sys.stderr,
+                )
+                return
             if not ready:
                 if self._wanted():
                     return
@@ -146,9 +169,7 @@ class Keeper:
         if asked.get("op") == "name":
             named = self.record.blocks is None
             if named:
-                self.record = dataclasses.replace(self.record, blocks=list(asked["blocks"]))
-                self.record.write()
-                publisher(state_dir()).touch()
+                self._named(list(asked["blocks"]))
             send_message(conn, {"named": named})
             return False
         if self.record.blocks is None:
@@ -170,8 +191,30 @@ class Keeper:
         self.give_back()
         return True
 
+    def _name_from_file(self) -> bool:
+        """Name the pages from the names their namer left (True), if it did."""
+        try:
+            with open(self.names_path or "") as left:
+                blocks = json.load(left)
+        except (OSError, ValueError):
+            return False
+        self._named(list(blocks))
+        return True
+
+    def _named(self, blocks: list[list[Any]]) -> None:
+        self.record = dataclasses.replace(self.record, blocks=blocks)
+        self.record.write()
+        publisher(state_dir()).touch()
+        self._forget_namer()
+
+    def _forget_namer(self) -> None:
+        if self.namer is not None:
+            os.close(self.namer)
+            self.namer = None
+
     def give_back(self) -> None:
         """Release every handle and the claim; unpublish."""
+        self._forget_namer()
         for held in self.held:
             for handle in held.handles:
                 self.driver.release(handle)
@@ -179,6 +222,20 @@ class Keeper:
         self.ledger.give_back(self.ledger.held)
         self.record.remove()
         publisher(state_dir()).write()
+
+
+def _watch(namer_pid: int | None, record: KeptCache) -> int | None:
+    """A pidfd of ``namer_pid`` while ``record`` is unnamed (None: nothing
+    to watch). One of a process gone already is a pipe's read end that is
+    readable at once: the pages go at the first look."""
+    if namer_pid is None or record.blocks is not None:
+        return None
+    try:
+        return os.pidfd_open(int(namer_pid))
+    except ProcessLookupError:
+        read, write = os.pipe()
+        os.close(write)
+        return read
 
 
 def main(argv: list[str]) -> None:

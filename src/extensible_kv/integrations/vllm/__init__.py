@@ -15,8 +15,9 @@ and the ``extensible_kv`` endpoint plug-in of vLLM's OpenAI server
 - ``endpoints.py``: the HTTP routes, in the API server;
 - below them, what every side reads: ``options.py`` (the options, parsed
   once), ``support.py`` (which vLLM releases), ``client.py`` (the engine's
-  client process), and ``seam.py``, the one module that imports the rest of
-  extensible-kv.
+  client process), ``kept_files.py`` (the files a restarting engine's
+  sides leave each other), and ``seam.py``, the one module that imports the
+  rest of extensible-kv.
 
 The sides never import each other; this module names both, and imports
 each only when one of its names is asked for, so that a worker process

@@ -18,8 +18,8 @@ that goes: the thread only wakes the loop.
 
 An engine stepped in the client's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 has no loop to wake: it steps only while ``generate`` runs, and gives way
-then (:func:`input_queue_of_engine` finds no queue, and the scheduler says so
-in its log).
+then (:func:`engine_loop` finds no loop, and the scheduler says so in its
+log).
 """
 
 from __future__ import annotations
@@ -43,23 +43,22 @@ LOOK_EVERY_S = 0.05
 JOIN_S = 5.0
 
 
-def input_queue_of_engine() -> queue.Queue[Any] | None:
-    """The input queue of the engine-core loop whose scheduler is being made
-    (call it from the scheduler's ``__init__``); None where the engine has
-    no loop of its own (stepped in the client's process).
+def engine_loop() -> EngineCoreProc | None:
+    """The engine-core loop whose scheduler is being made (call it from the
+    scheduler's ``__init__``); None where the engine has no loop of its own
+    (stepped in the client's process).
 
     vLLM gives a scheduler no handle on the loop that runs it, and offers
     no hook to wake that loop; the engine core makes its scheduler from its
     own ``__init__``, so the loop is the nearest caller that is an
-    ``EngineCoreProc``. Only its queue is kept, and only vLLM's own wake-up
-    sentinel is ever put on it.
+    ``EngineCoreProc``. Only its input queue is used, to put vLLM's own
+    wake-up sentinel on it, and its ``is_running()``, read.
     """
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, EngineCoreProc):
-            found: queue.Queue[Any] = owner.input_queue
-            return found
+            return owner
         frame = frame.f_back  # type: ignore[assignment]
     return None
 
@@ -69,7 +68,7 @@ class GiveWay:
     (see the module).
 
     Args:
-        inbox: the loop's input queue (:func:`input_queue_of_engine`).
+        inbox: the loop's input queue (:func:`engine_loop`'s).
         wanted: whether the loop should step now: another process on the
             engine's devices wants memory, or the idle engine's linger is
             over and it has memory to give back; called on this thread, so

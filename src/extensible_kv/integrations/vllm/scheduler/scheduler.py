@@ -65,11 +65,17 @@ from extensible_kv.integrations.vllm.scheduler.demand import (  # noqa: E402
 )
 from extensible_kv.integrations.vllm.scheduler.give_way import (  # noqa: E402
     GiveWay,
-    input_queue_of_engine,
+    engine_loop,
 )
 from extensible_kv.integrations.vllm.scheduler.plan import ElasticPlan  # noqa: E402
 from extensible_kv.integrations.vllm.scheduler.pressure import Pressure  # noqa: E402
-from extensible_kv.integrations.vllm.scheduler.restart import name_kept, seed_adopted  # noqa: E402
+from extensible_kv.integrations.vllm.scheduler.restart import (  # noqa: E402
+    check_stop_keeps,
+    forget_names,
+    name_kept,
+    seed_adopted,
+    write_names,
+)
 from extensible_kv.integrations.vllm.seam import segmentation  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -126,6 +132,8 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         self._elastic: ElasticPlan | None = None
         if self._options.growth != "elastic":
             return
+        if self._options.keep_prefix_cache_s is not None:
+            check_stop_keeps(vllm_config)
         num_blocks = int(kv_cache_config.num_blocks)
         bytes_per_block = int(kv_cache_config.kv_cache_tensors[0].size) // num_blocks
         cache_bytes = self._options.cache_bytes
@@ -148,9 +156,14 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         self._refused: dict[int, list[EngineCoreOutput]] = {}
         #: When the engine last had requests (``time.monotonic``).
         self._busy_at = 0.0
-        inbox = input_queue_of_engine()
+        #: vLLM's engine-core loop running this scheduler (None: stepped in
+        #: the client's process).
+        self._loop = engine_loop()
+        inbox = None if self._loop is None else self._loop.input_queue
         self._give_way = None if inbox is None else GiveWay(inbox, self._should_step)
-        if inbox is None:
+        #: Whether the prefix cache's names were written as the loop stopped.
+        self._named_at_stop = False
+        if self._loop is None:
             logger.warning(
                 "extensible-kv: this engine is stepped in its client's process "
                 "(VLLM_ENABLE_V1_MULTIPROCESSING=0): it gives memory back to other "
@@ -224,6 +237,10 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         if self._elastic is not None:
             if self.waiting or self.running:
                 self._busy_at = time.monotonic()
+                if self._named_at_stop:
+                    # A request after all: the names may go stale.
+                    forget_names(self.vllm_config)
+                    self._named_at_stop = False
             for request, message in self._admission.never_fit():
                 self._refuse(request, message)
             give = self._pressure.blocks_wanted()
@@ -266,10 +283,31 @@ class ExtensibleKVScheduler(Scheduler):  # type: ignore[misc]
         elastic = self._elastic
         if elastic is None:
             return False
+        if self._loop is not None and not self._loop.is_running():
+            self._name_at_stop()
+            return False
         wanted = self._pressure.blocks_wanted() > 0
         if wanted and (elastic.can_give() or elastic.keeps_idle):
             return True
         return self._lingered()
+
+    def _name_at_stop(self) -> None:
+        """Once, as vLLM's loop stops with no request left (it steps no
+        more), write the prefix cache's names where the workers' keepers
+        find them (:func:`write_names`).
+
+        vLLM's engine core, once its loop has stopped, puts SIGTERM back to
+        its default action and tears down: the workers first, then this
+        scheduler, which names their pages as it stops. A second signal in
+        between kills it before that, and the OpenAI server sends one of
+        its own when it is stopped with Ctrl-C (SIGINT to the whole group)
+        or by systemd (SIGTERM to every process of the unit): the names
+        written here, while vLLM's handler still catches signals, are what
+        the keepers take then."""
+        if self._options.keep_prefix_cache_s is None or self._named_at_stop:
+            return
+        self._named_at_stop = True
+        write_names(self.kv_cache_manager.block_pool, int(self.block_size), self.vllm_config)
 
     def _lingered(self) -> bool:
         """Whether the idle engine has orders to send and has kept its

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from extensible_kv.integrations.vllm.kept_files import adopted_path, names_path
 from extensible_kv.integrations.vllm.options import Options
 from extensible_kv.integrations.vllm.seam import (
     ElasticBlocks,
@@ -29,13 +30,12 @@ from extensible_kv.integrations.vllm.seam import (
     adopt,
     drop,
     kept_caches,
-    kept_dir,
     ranges_of,
     start_keeper,
     units_of,
 )
 
-__all__ = ["Restart", "adopted_path", "adopter", "fingerprint", "owner"]
+__all__ = ["Restart", "adopter", "fingerprint", "owner"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +80,6 @@ def owner(vllm_config: Any) -> dict[str, Any]:
     return {"engine": engine, "dp": int(parallel.data_parallel_index), "rank": int(parallel.rank)}
 
 
-def adopted_path(me: dict[str, Any]) -> str:
-    """Where rank ``me`` (an :func:`owner`) tells its scheduler what it adopted."""
-    return str(kept_dir() / f"adopted-{me['engine']}-{me['dp']}-{me['rank']}.json")
-
-
 def adopter(
     restart: Restart | None, vllm_config: Any, kv_cache_config: Any, cache: KVCacheBuffers
 ) -> Callable[[ElasticBlocks], frozenset[int]] | None:
@@ -125,7 +120,8 @@ class Restart:
         left_by = found.owner
         units = frozenset(units_of(left_by["units"]))
         elastic.adopted(left_by["units"], int(left_by["blocks_per_unit"]))
-        with open(adopted_path(self.owner), "w") as told:
+        me = self.owner
+        with open(adopted_path(me["engine"], me["dp"], me["rank"]), "w") as told:
             json.dump(
                 {
                     "units": left_by["units"],
@@ -163,7 +159,9 @@ class Restart:
 
     def leave(self, elastic: ElasticBlocks, written: set[int]) -> None:
         """As the engine stops: give back the held units no step wrote, and
-        leave the rest to the keeper, unnamed, for the scheduler to name."""
+        leave the rest to the keeper, unnamed, for the scheduler to name.
+        If the scheduler's process exits first, the keeper takes the names
+        it wrote as its loop stopped, or gives the pages back if none."""
         spare, self._spare = self._spare, None
         if spare is None or self.fingerprint is None or elastic.cache.asleep:
             if spare is not None:
@@ -178,7 +176,15 @@ class Restart:
         }
         tensors = [tensor for tensor, _ in elastic.cache.tensors]
         try:
-            spare.leave(tensors, self.fingerprint, None, self.keep_s, owner=me)
+            spare.leave(
+                tensors,
+                self.fingerprint,
+                None,
+                self.keep_s,
+                owner=me,
+                namer_pid=me["engine"],
+                names_path=str(names_path(me["engine"], me["dp"])),
+            )
         except (RuntimeError, ValueError) as exc:
             logger.warning("extensible-kv: the prefix cache was not kept for a restart: %s", exc)
         finally:
