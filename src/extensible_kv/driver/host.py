@@ -432,7 +432,7 @@ class HostDriver(Backend):
             except OSError as exc:
                 raise _from_os("set_access", exc) from None
             try:
-                self._populate_shared(starts)
+                self._populate_shared(ptr, size, starts)
             except OSError as exc:
                 for start in starts:
                     if not self._mappings[start].accessible:
@@ -441,8 +441,11 @@ class HostDriver(Backend):
             for start in starts:
                 self._mappings[start].accessible = True
 
-    def _populate_shared(self, starts: Sequence[int]) -> None:
-        """Fill the page tables of the shared mappings at ``starts``.
+    def _populate_shared(self, ptr: int, size: int, starts: Sequence[int]) -> None:
+        """Fill the page tables of ``[ptr, ptr + size)`` if a mapping at
+        ``starts`` (those it covers) is shared, in one call over the whole
+        range, so that a run of many 2 MiB mappings (an adoption, a commit
+        of many units) is populated on every core, not one mapping at a time.
 
         A memfd's pages exist from ``create`` on, but a new ``MAP_SHARED``
         mapping of them has no page tables, and the shared memory of this
@@ -454,10 +457,8 @@ class HostDriver(Backend):
         (2026-12-06, this VM), and here that happens before the mapping is
         used. Private memory arrives populated (:meth:`_create_private`),
         and a GPU mapping never faults."""
-        for start in starts:
-            mapping = self._mappings[start]
-            if mapping.allocation.fd is not None:
-                _populate.populate(start, mapping.size, keep_contents=True)
+        if any(self._mappings[start].allocation.fd is not None for start in starts):
+            _populate.populate(ptr, size, keep_contents=True)
 
     def export_handle(self, handle: int) -> int:
         with self._lock:
