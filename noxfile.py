@@ -62,6 +62,7 @@ def vllm(session: nox.Session) -> None:
         "tests/test_vllm_several.py",
         "tests/test_vllm_restart.py",
         "tests/test_vllm_trace.py",
+        "tests/test_vllm_give_way.py",
         "tests/test_vllm_batch_queue.py",
         "tests/test_scheduler_bench.py",
         *session.posargs,

@@ -4,6 +4,7 @@
     python benchmarks/bench_vllm.py --rounds 3 --out bench-results/vllm.json
     python benchmarks/bench_vllm.py --only elastic --out bench-results/elastic.json
     python benchmarks/bench_vllm.py --only several --out bench-results/several.json
+    python benchmarks/bench_vllm.py --only give_way --out bench-results/give-way.json
     python benchmarks/bench_vllm.py --only restart --out bench-results/restart.json
 
 The ``vllm`` suite of ``extensible-kv bench`` (``extensible_kv.bench.engine``),
@@ -17,11 +18,14 @@ plot beside the JSON as ``elastic-memory.png``); then the ``several`` case
 (two OpenAI servers taking turns at bursts under one limit, against a
 static split of it; ``several-memory.png``; and three servers replaying
 slices of the Azure LLM inference trace 2023 against the even and the best
-static split, ``several-trace.png``); then the ``restart`` case (time to
+static split, ``several-trace.png``); then the ``give_way`` case (how soon
+an idle engine gives its memory to another's want, run as a server, an
+``LLM`` program and a program on two tensor-parallel ranks); then the
+``restart`` case (time to
 first token of prefix-sharing requests right after a restart that keeps
 the prefix cache, against stock vLLM cold and warm; vLLM's offloading
-connector is tried and its refusal reported). ``--only elastic``,
-``--only several`` or ``--only restart`` runs that case alone. The table gives
+connector is tried and its refusal reported). ``--only CASE`` runs that
+case alone, ``--skip CASE`` leaves it out. The table gives
 median [min-max] over the rounds and ours over stock as ratios paired by
 round (decode: by pass), median [interval]; the JSON
 holds every run and each kind's resident-memory timeline, which
@@ -35,8 +39,11 @@ import argparse
 import json
 from pathlib import Path
 
-from extensible_kv.bench import child, elastic, engine, restart, several, trace
+from extensible_kv.bench import child, elastic, engine, give_way, restart, several, trace
 from extensible_kv.bench.measure import MiB
+
+#: The cases --only and --skip name.
+CASES = ["elastic", "several", "give_way", "restart"]
 
 
 def main() -> None:
@@ -46,12 +53,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results and the table as JSON here")
     parser.add_argument(
         "--only",
-        choices=["elastic", "several", "restart"],
+        choices=CASES,
         help="run this case alone (default: the whole suite)",
     )
     parser.add_argument(
         "--skip",
-        choices=["elastic", "several", "restart"],
+        choices=CASES,
         action="append",
         default=[],
         help="leave this case out (repeat for more)",
@@ -61,7 +68,12 @@ def main() -> None:
         why = child.unavailable()
         if why is not None:
             raise SystemExit(why)
-        case = {"elastic": elastic, "several": several, "restart": restart}[args.only]
+        case = {
+            "elastic": elastic,
+            "several": several,
+            "give_way": give_way,
+            "restart": restart,
+        }[args.only]
         alone = case.case(args.rounds, lambda step: print(step, flush=True))
         text = f"{args.only} case\n\n" + case.markdown(alone)
         print(text)
@@ -80,7 +92,12 @@ def main() -> None:
     if "skipped" in results:
         raise SystemExit(results["skipped"])
     text = engine.markdown(results)
-    for name, case in (("elastic", elastic), ("several", several), ("restart", restart)):
+    for name, case in (
+        ("elastic", elastic),
+        ("several", several),
+        ("give_way", give_way),
+        ("restart", restart),
+    ):
         if name in results:
             text += f"\n\n{name} case\n\n" + case.markdown(results[name])
     print(text)

@@ -17,7 +17,9 @@ project's goals the figures settle (:mod:`extensible_kv.bench.ratios`).
 Then the ``elastic`` case (:mod:`extensible_kv.bench.elastic`): a bursty
 day on stock, static and elastic growth; the ``several`` case
 (:mod:`extensible_kv.bench.several`): two servers taking turns at bursts
-under one limit, against a static split of it; and the ``restart`` case
+under one limit, against a static split of it; the ``give_way`` case
+(:mod:`extensible_kv.bench.give_way`): how soon an idle engine gives way,
+in each way it is run; and the ``restart`` case
 (:mod:`extensible_kv.bench.restart`): the first requests after a restart
 that keeps the prefix cache, against stock started cold and stock warm.
 Runs only where vLLM is installed.
@@ -34,7 +36,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from extensible_kv.bench import decode, elastic, lifecycle, restart, several
+from extensible_kv.bench import decode, elastic, give_way, lifecycle, restart, several
 from extensible_kv.bench.child import KINDS, child_figures, markdown_table, unavailable
 from extensible_kv.bench.ratios import decided, paired_ratios, ratio_figures, spread
 
@@ -88,7 +90,7 @@ def suite(
     skip: Collection[str] = (),
 ) -> dict[str, Any]:
     """Every kind, ``rounds`` times, in turn, then the cases not in ``skip``
-    (``"elastic"``, ``"several"``, ``"restart"``); or ``{"skipped": why}``."""
+    (``"elastic"``, ``"several"``, ``"give_way"``, ``"restart"``); or ``{"skipped": why}``."""
     why = unavailable()
     if why is not None:
         return {"skipped": why}
@@ -112,7 +114,12 @@ def suite(
                 starts[kind].append(start["start_s"])
     duel = decode.decode_case(model, list(KINDS), kv_bytes, decode.passes_for(rounds), progress)
     stats, paired = _summaries(runs, starts, duel)
-    cases = {"elastic": elastic.case, "several": several.case, "restart": restart.case}
+    cases = {
+        "elastic": elastic.case,
+        "several": several.case,
+        "give_way": give_way.case,
+        "restart": restart.case,
+    }
     return {
         "kv_bytes": kv_bytes,
         "rounds": rounds,

@@ -175,6 +175,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
         out.append(several_table(results["vllm"]["several"]))
         if "trace" in results["vllm"]["several"]:
             out.append(trace_table(results["vllm"]["several"]["trace"]))
+    if "give_way" in results.get("vllm", {}):
+        out.append(give_way_table(results["vllm"]["give_way"]))
     if "restart" in results.get("vllm", {}):
         out.append(restart_table(results["vllm"]["restart"]))
     if "scheduler" in results:
@@ -282,6 +284,18 @@ def trace_table(results: dict[str, Any]) -> Table:
         f"12b. three vLLM servers under one {results['limit_bytes'] // MiB} MiB limit "
         "replaying the Azure LLM inference trace 2023, against static splits: "
         "median [min-max]",
+        rows(results),
+    )
+
+
+def give_way_table(results: dict[str, Any]) -> Table:
+    """The ``give_way`` case: how soon an idle engine gives way, each way it
+    is run."""
+    from extensible_kv.bench.give_way import rows
+
+    return _table(
+        "12d. an idle vLLM engine giving way to another's want, as a server, an LLM "
+        "program and a program on two ranks: median [min-max]",
         rows(results),
     )
 
