@@ -71,3 +71,29 @@ def test_a_run_beats_another_by_slo_attainment_then_by_p99() -> None:
     assert not trace.better(run(0.8, 1.0), run(0.9, 5.0))
     assert trace.better(run(0.9, 1.0), run(0.9, 2.0))
     assert not trace.better(run(0.9, 2.0), run(0.9, 2.0))
+
+
+def answer(ttft_s: float | None, tokens: int = 4, wanted: int = 4) -> dict[str, Any]:
+    return {"ttft_s": ttft_s, "tokens": tokens, "wanted": wanted}
+
+
+def test_a_runs_figures_per_engine_and_over_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace.os, "cpu_count", lambda: 2)
+    results = {
+        "conv": [answer(0.2), answer(0.4)],
+        "code": [answer(3.0, tokens=1), answer(None, tokens=0)],
+        "conv-later": [answer(0.9)],
+    }
+    run = trace.figures(results, 10.0, {"conv": 6.0, "code": 10.0, "conv-later": 0.0})
+    conv, code, every = (run["engines"][name] for name in ("conv", "code", "all"))
+    assert conv["slo"] == 1.0
+    assert conv["completed"] == 2
+    assert code["slo"] == 0.0
+    assert code["completed"] == 0
+    assert every["slo"] == 3 / 5
+    assert every["sent"] == 5
+    assert every["tokens_per_s"] == (4 + 4 + 1 + 0 + 4) / 10.0
+    # CPU seconds over what two cores had in the 10 s span.
+    assert conv["cpu_share"] == 0.3
+    assert code["cpu_share"] == 0.5
+    assert every["cpu_share"] == 0.8

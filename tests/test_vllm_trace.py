@@ -36,6 +36,7 @@ def test_three_servers_replay_their_streams(state: Path, kind: str) -> None:
         assert figures["sent"] == figures["completed"] == count
         assert figures["ttft_p50_s"] is not None
     assert run["engines"]["all"]["completed"] == sum(sent.values())
+    assert 0 < run["engines"]["all"]["cpu_share"] < 2  # the servers' processes were read
     assert run["span_s"] >= max(a.at_s for s in trace.streams(REQUESTS).values() for a in s)
     if kind == "ours":
         timeline = run["timeline"]

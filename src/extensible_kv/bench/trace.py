@@ -26,8 +26,10 @@ prompt is its own token sequence, and no prefix is shared.
 Each kind reports, per engine and over all requests: time to first token
 p50 and p99, the share of requests whose first token came within
 :data:`SLO_S` (SLO attainment), output tokens per second over the replay,
-and the requests completed; ours also the memory each engine claimed over
-time, from the budget's ledger.
+the requests completed, and the share of the machine's CPU the servers
+used over the replay (vLLM's CPU worker busy-waits a second after every
+step: near 1, the cores held the requests back, not the memory); ours
+also the memory each engine claimed over time, from the budget's ledger.
 """
 
 from __future__ import annotations
@@ -219,19 +221,30 @@ def _run(model: str, kind: str, state: Path, arrivals: dict[str, list[Arrival]])
         try:
             if timeline:
                 timeline.mark("replay starts")
+            cpu = {name: engine.cpu_s() for name, engine in engines.items()}
             started = time.perf_counter()
             results = replay(engines, arrivals)
             span = time.perf_counter() - started
+            cpu = {name: engine.cpu_s() - cpu[name] for name, engine in engines.items()}
         finally:
             trace = timeline.close() if timeline else None
-    return figures(results, span) | {"timeline": trace}
+    return figures(results, span, cpu) | {"timeline": trace}
 
 
-def figures(results: dict[str, list[dict[str, Any]]], span_s: float) -> dict[str, Any]:
-    """A run's figures, per engine and over every request (``all``)."""
+def figures(
+    results: dict[str, list[dict[str, Any]]], span_s: float, cpu_s: dict[str, float]
+) -> dict[str, Any]:
+    """A run's figures, per engine and over every request (``all``);
+    ``cpu_s``: the CPU seconds each engine's processes used over the replay.
+    ``cpu_share`` is that over what the machine's cores had in the span:
+    near 1, the cores, not the memory, held the requests back."""
     every = [r for engine in results.values() for r in engine]
-    out = {name: _figures(engine, span_s) for name, engine in results.items()}
-    out["all"] = _figures(every, span_s)
+    cores = os.cpu_count() or 1
+    out = {
+        name: _figures(engine, span_s) | {"cpu_share": cpu_s[name] / (span_s * cores)}
+        for name, engine in results.items()
+    }
+    out["all"] = _figures(every, span_s) | {"cpu_share": sum(cpu_s.values()) / (span_s * cores)}
     errors = [r["error"] for r in every if "error" in r][:5]
     return {"engines": out, "span_s": span_s, "errors": errors}
 
@@ -331,6 +344,7 @@ FIGURES = (
     ("slo", f"first token within {SLO_S:g} s (SLO attainment)", "share"),
     ("tokens_per_s", "output tokens per second", "tokens/s"),
     ("completed", "requests completed", "requests"),
+    ("cpu_share", "CPU the servers used, of the machine's", "share"),
 )
 
 
