@@ -39,8 +39,6 @@ from typing import Any
 
 from extensible_kv.bench import several
 from extensible_kv.bench.child import (
-    SCHEDULER,
-    WORKER,
     case_main,
     child_figures,
     markdown_table,
@@ -55,6 +53,7 @@ from extensible_kv.bench.serving import (
     Timeline,
     device_name,
     elastic_options,
+    engine_args,
     flags,
     servers,
 )
@@ -93,25 +92,9 @@ def program(model: str, ranks: int) -> Any:
     """B as an ``LLM`` in this program, with the servers' settings."""
     from vllm import LLM
 
-    return LLM(
-        model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=1024,
-        block_size=32,
-        max_num_seqs=32,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=several.LIMIT_BYTES,
-        tensor_parallel_size=ranks,
-        worker_cls=WORKER,
-        scheduler_cls=SCHEDULER,
-        # The floor and the cache are each rank's: the ranks together hold the engine's.
-        additional_config={
-            "extensible_kv": elastic_options(CACHE_BYTES // ranks, several.FLOOR_BYTES // ranks)
-        },
-    )
+    # The floor and the cache are each rank's: the ranks together hold the engine's.
+    options = elastic_options(CACHE_BYTES // ranks, several.FLOOR_BYTES // ranks)
+    return LLM(model, tensor_parallel_size=ranks, **engine_args(several.LIMIT_BYTES, options))
 
 
 def child(model: str, way: str) -> dict[str, Any]:

@@ -65,6 +65,38 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def engine_args(
+    kv_bytes: int,
+    options: dict[str, Any] | None = None,
+    *,
+    block_tokens: int = 32,
+    max_model_len: int = 1024,
+) -> dict[str, Any]:
+    """A benchmark engine's settings as vLLM's ``LLM`` takes them, for a tiny
+    fp32 model with no tokenizer: a stock pool of ``kv_bytes`` (no
+    ``options``), or our elastic engine (``options``, the ``extensible_kv``
+    additional config) that may grow to ``kv_bytes``. :func:`flags` gives
+    the same to a server."""
+    args: dict[str, Any] = {
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "max_model_len": max_model_len,
+        "block_size": block_tokens,
+        "max_num_seqs": 32,
+        "max_num_batched_tokens": 2048,
+        "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": kv_bytes,
+    }
+    if options is not None:
+        args |= {
+            "worker_cls": WORKER,
+            "scheduler_cls": SCHEDULER,
+            "additional_config": {"extensible_kv": options},
+        }
+    return args
+
+
 def flags(
     kv_bytes: int,
     options: dict[str, Any] | None = None,
@@ -72,24 +104,18 @@ def flags(
     block_tokens: int = 32,
     max_model_len: int = 1024,
 ) -> list[str]:
-    """A server's flags beyond its model and port, for a tiny fp32 model with
-    no tokenizer: a stock pool of ``kv_bytes`` (no ``options``), or our
-    elastic engine (``options``, the ``extensible_kv`` additional config)
-    that may grow to ``kv_bytes``."""
-    common = [
-        *("--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32"),
-        *("--max-model-len", str(max_model_len), "--block-size", str(block_tokens)),
-        *("--max-num-seqs", "32", "--max-num-batched-tokens", "2048"),
-        *("--enable-prefix-caching", "--enable-prompt-tokens-details"),
-        *("--kv-cache-memory-bytes", str(kv_bytes)),
-    ]
-    if options is None:
-        return common
-    return [
-        *common,
-        *("--worker-cls", WORKER, "--scheduler-cls", SCHEDULER),
-        *("--additional-config", json.dumps({"extensible_kv": options})),
-    ]
+    """A server's flags beyond its model and port: :func:`engine_args` on
+    its command line, and the prompt tokens the prefix cache served in
+    each response's usage."""
+    out = ["--enable-prompt-tokens-details"]
+    args = engine_args(kv_bytes, options, block_tokens=block_tokens, max_model_len=max_model_len)
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        else:
+            out += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return out
 
 
 def elastic_options(cache_bytes: int, floor_bytes: int) -> dict[str, Any]:
